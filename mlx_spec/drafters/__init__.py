@@ -1,0 +1,28 @@
+"""The registry of draft sources: a new source is one file here plus one line below.
+
+Each factory takes the target and the CLI's options (a dict) and returns a Drafter, or None for
+plain decoding."""
+
+from ..errors import MlxSpecError
+
+
+def _none(target, options):
+    return None
+
+
+def _lookup(target, options):
+    from .lookup import LookupDrafter
+
+    return LookupDrafter(ngram_max=options.get("ngram_max", 3), ngram_min=options.get("ngram_min", 1))
+
+
+DRAFTERS = {
+    "none": _none,
+    "lookup": _lookup,
+}
+
+
+def make_drafter(method: str, target, options: dict):
+    if method not in DRAFTERS:
+        raise MlxSpecError(f"unknown draft method {method!r}: choose one of {', '.join(DRAFTERS)}")
+    return DRAFTERS[method](target, options)

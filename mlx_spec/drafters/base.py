@@ -1,0 +1,45 @@
+"""The Drafter protocol: every source of drafts implements these four members."""
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence
+
+import mlx.core as mx
+
+
+@dataclass
+class Draft:
+    tokens: List[int] = field(default_factory=list)
+    # [k, V] probabilities the drafts were sampled from; None = deterministic (one-hot) drafts.
+    q: Optional[mx.array] = None
+
+    def __len__(self):
+        return len(self.tokens)
+
+
+class Drafter:
+    """A drafter owns its state. The engine calls, in order:
+    prefill(context, taps, start) once per generation, then per step propose(k) and
+    commit(n_accepted, next_token, taps)."""
+
+    # Target layers whose hidden states the drafter needs (DESIGN.md tap convention).
+    taps: Sequence[int] = ()
+
+    def prefill(self, context: List[int], taps: Dict[int, mx.array], start: int) -> None:
+        """context: every token so far, the last one not yet seen by the target; the target has
+        just processed context[start:-1] (taps hold its hidden states for those positions);
+        context[:start] was already processed in an earlier generation of this session."""
+
+    def propose(self, k: int) -> Draft:
+        """Up to k draft tokens that follow the last committed token."""
+        raise NotImplementedError
+
+    def commit(self, n_accepted: int, next_token: int, taps: Dict[int, mx.array]) -> None:
+        """The first n_accepted drafts and then next_token were committed. taps hold the
+        target's hidden states at [last committed token, accepted drafts]."""
+
+
+class NoDrafter(Drafter):
+    """Plain decoding through the same loop: one target token per step."""
+
+    def propose(self, k: int) -> Draft:
+        return Draft()

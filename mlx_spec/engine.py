@@ -1,0 +1,197 @@
+"""THE loop, shared by every drafter: prefill, propose, verify, commit, roll back.
+
+A verification step runs the target once over [last committed token, x_1..x_k]. The verdict
+(n accepted drafts, the target's own next token) is computed on the device and read with one
+sync; the target's cache then rolls back by offset to the committed prefix.
+
+`generate` yields events: ("step", proposed, accepted), ("token", token_id, text_segment),
+("text", segment) for text the detokenizer releases only at the end, and finally ("done", Stats).
+"""
+
+import time
+from dataclasses import asdict, dataclass
+from typing import Iterator, List, Optional, Sequence
+
+import mlx.core as mx
+
+from .cache import check_rollback, make_cache, rollback_to
+from .cost import StepCost
+from .drafters.base import Drafter, NoDrafter
+from .errors import MlxSpecError
+from .sampling import SamplingParams, sample
+from .verify import verify_chain
+
+PREFILL_CHUNK = 2048   # mlx-lm's prefill_step_size
+
+
+@dataclass
+class Stats:
+    prompt_tokens: int = 0
+    prompt_seconds: float = 0.0
+    generated_tokens: int = 0
+    committed: int = 0          # tokens committed by verification steps (EOS included)
+    steps: int = 0
+    proposed: int = 0
+    accepted: int = 0
+    generate_seconds: float = 0.0
+    finish_reason: str = ""
+
+    @property
+    def tokens_per_step(self) -> float:
+        return self.committed / self.steps if self.steps else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.proposed if self.proposed else 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.generated_tokens / self.generate_seconds if self.generate_seconds else 0.0
+
+    @property
+    def prompt_tokens_per_second(self) -> float:
+        return self.prompt_tokens / self.prompt_seconds if self.prompt_seconds else 0.0
+
+    def as_dict(self) -> dict:
+        d = {k: v for k, v in asdict(self).items() if k not in ("committed",)}
+        d.update(tokens_per_step=self.tokens_per_step, acceptance_rate=self.acceptance_rate,
+                 tokens_per_second=self.tokens_per_second)
+        return d
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+class Engine:
+    """One target, one drafter, one KV cache kept across calls (a chat session)."""
+
+    def __init__(self, target, drafter: Optional[Drafter] = None, num_draft_tokens: int = 8,
+                 sampling: SamplingParams = SamplingParams(), seed: int = 0,
+                 cost: Optional[StepCost] = None):
+        self.target = target
+        self.drafter = drafter or NoDrafter()
+        self.num_draft_tokens = num_draft_tokens
+        self.sampling = sampling.check(target.vocab_size)
+        self.key = mx.random.key(seed)
+        self.cost = cost or getattr(self.drafter, "cost", None) or StepCost()
+        self.cache = make_cache(target.model)
+        if not isinstance(self.drafter, NoDrafter):
+            check_rollback(self.cache, "speculative decoding")
+        self.cached_tokens: List[int] = []   # tokens whose K/V are in self.cache, in order
+
+    def reset(self) -> None:
+        rollback_to(self.cache, 0)
+        self.cached_tokens = []
+
+    def _next_key(self):
+        self.key, key = mx.random.split(self.key)
+        return key
+
+    def _forward(self, tokens: List[int]):
+        return self.target.forward(mx.array(tokens)[None], self.cache, self.drafter.taps)
+
+    def _prefill(self, context: List[int]) -> None:
+        """Bring the cache to context[:-1], reusing the longest prefix already there."""
+        start = min(_common_prefix(self.cached_tokens, context), len(context) - 1)
+        rollback_to(self.cache, start)
+        self.cached_tokens = list(context[:start])
+        pieces = {}
+        for i in range(start, len(context) - 1, PREFILL_CHUNK):
+            chunk = context[i:min(i + PREFILL_CHUNK, len(context) - 1)]
+            _, taps = self._forward(chunk)
+            mx.eval([c.state for c in self.cache], taps)
+            for layer, h in taps.items():
+                pieces.setdefault(layer, []).append(h)
+            self.cached_tokens += chunk
+        taps = {layer: mx.concatenate(hs, axis=1) for layer, hs in pieces.items()}
+        self.drafter.prefill(list(context), taps, start)
+
+    def generate(self, prompt: Sequence[int], max_tokens: int = 256,
+                 stop_strings: Sequence[str] = ()) -> Iterator[tuple]:
+        prompt = list(prompt)
+        if not prompt:
+            raise MlxSpecError("the prompt is empty")
+        if max_tokens < 1:
+            raise MlxSpecError(f"max tokens must be >= 1, got {max_tokens}")
+        limit = self.target.context_length
+        if limit is not None and len(prompt) + max_tokens > limit:
+            raise MlxSpecError(
+                f"prompt ({len(prompt)} tokens) + max tokens ({max_tokens}) exceed the model's "
+                f"context of {limit} tokens")
+        eos = set(self.target.eos_token_ids)
+        tokenizer = self.target.tokenizer
+        detokenizer = tokenizer.detokenizer if tokenizer is not None else None
+        if detokenizer is not None:
+            detokenizer.reset()
+        stats = Stats(prompt_tokens=len(prompt))
+
+        tic = time.perf_counter()
+        self._prefill(prompt)
+        stats.prompt_seconds = time.perf_counter() - tic
+
+        context = list(prompt)      # every committed token; context[-1] is not in the cache yet
+        text = ""
+        tic = time.perf_counter()
+        while not stats.finish_reason:
+            # Never draft past max_tokens: a step commits at most k + 1 tokens.
+            k = min(self.num_draft_tokens, max_tokens - stats.generated_tokens - 1)
+            draft = self.drafter.propose(k)
+            drafts = draft.tokens
+
+            step_tic = time.perf_counter()
+            logits, taps = self._forward([context[-1]] + drafts)
+            verdict = verify_chain(logits[0], mx.array(drafts, mx.int32), draft.q,
+                                   self.sampling, None if self.sampling.greedy else self._next_key())
+            n_accepted, next_token = verdict.tolist()      # the one sync of the step
+            self.cost.record(len(drafts) + 1, time.perf_counter() - step_tic)
+
+            committed = drafts[:n_accepted] + [next_token]
+            rollback_to(self.cache, len(context) + n_accepted)
+            self.cached_tokens = context + drafts[:n_accepted]
+            self.drafter.commit(n_accepted, next_token,
+                                {layer: h[:, :n_accepted + 1] for layer, h in taps.items()})
+            stats.steps += 1
+            stats.proposed += len(drafts)
+            stats.accepted += n_accepted
+            stats.committed += len(committed)
+            yield ("step", len(drafts), n_accepted)
+
+            for token in committed:
+                context.append(token)
+                if token in eos:
+                    stats.finish_reason = "eos"
+                    break
+                stats.generated_tokens += 1
+                segment = ""
+                if detokenizer is not None:
+                    detokenizer.add_token(token)
+                    segment = detokenizer.last_segment
+                if stop_strings:
+                    text += segment
+                    hit = min((text.find(s) for s in stop_strings if s in text), default=-1)
+                    if hit >= 0:
+                        # Print up to the stop string, never past it.
+                        segment = segment[:max(0, len(segment) - (len(text) - hit))]
+                        stats.finish_reason = "stop"
+                yield ("token", token, segment)
+                if stats.finish_reason:
+                    break
+                if stats.generated_tokens >= max_tokens:
+                    stats.finish_reason = "length"
+                    break
+
+        if detokenizer is not None and stats.finish_reason != "stop":
+            detokenizer.finalize()
+            if detokenizer.last_segment:
+                yield ("text", detokenizer.last_segment)
+        stats.generate_seconds = time.perf_counter() - tic
+        # Drafts committed past EOS/stop/limit are dropped: the cache keeps only what is kept.
+        rollback_to(self.cache, len(context) - 1)
+        self.cached_tokens = context[:-1]
+        yield ("done", stats)

@@ -1,0 +1,161 @@
+"""The target adapter: any mlx-lm model, run by its own code, with hidden-state taps.
+
+Tap convention (DESIGN.md): taps[i] is the OUTPUT of decoder layer i; taps[-1] is the
+embedding output (the input of layer 0).
+"""
+
+import json
+from pathlib import Path
+from typing import Dict, Iterable, Optional, Sequence
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..errors import MlxSpecError
+
+DTYPES = ("auto", "float32", "float16", "bfloat16", "keep")
+
+
+class _TapLayer:
+    """Stands in for a decoder layer during one forward: records its input/output and,
+    for tree passes, replaces the mask the model built with the caller's."""
+
+    def __init__(self, layer, index, taps, want, mask):
+        self._layer, self._index, self._taps, self._want, self._mask = (
+            layer, index, taps, want, mask)
+
+    def __getattr__(self, name):  # models read attributes such as `use_sliding`
+        return getattr(self._layer, name)
+
+    def __call__(self, x, mask=None, cache=None, **kwargs):
+        if self._index == 0 and -1 in self._want:
+            self._taps[-1] = x
+        out = self._layer(x, self._mask if self._mask is not None else mask, cache=cache, **kwargs)
+        if self._index in self._want:
+            self._taps[self._index] = out
+        return out
+
+
+class Target:
+    """Wraps an mlx-lm model: `forward(tokens, cache, taps)` -> (logits, {layer: hidden})."""
+
+    def __init__(self, model: nn.Module, tokenizer=None, config: Optional[dict] = None,
+                 path: Optional[str] = None, dtype: str = "keep"):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.config = config or {}
+        self.path = path
+        self.dtype = dtype
+        self.layers = model.layers
+        self.num_layers = len(self.layers)
+        self._inner = getattr(model, "model", None)
+
+    # --- the forward pass -------------------------------------------------------------
+    def forward(self, tokens: mx.array, cache, taps: Iterable[int] = (), mask=None):
+        """tokens [1, n] -> (logits [1, n, V], {layer_id: hidden [1, n, H]}).
+
+        The model's own __call__ runs (embedding, mask, layers, norm, head); chosen layers are
+        wrapped for the duration of the call to capture their outputs (no second pass)."""
+        want = set(taps)
+        if not want and mask is None:
+            return self.model(tokens, cache=cache), {}
+        for i in want:
+            if not -1 <= i < self.num_layers:
+                raise MlxSpecError(f"tap layer {i} is outside the target's {self.num_layers} layers")
+        captured: Dict[int, mx.array] = {}
+        originals = list(self.layers)
+        try:
+            for i, layer in enumerate(originals):
+                self.layers[i] = _TapLayer(layer, i, captured, want, mask)
+            logits = self.model(tokens, cache=cache)
+        finally:
+            self.layers[:] = originals
+        return logits, captured
+
+    # --- pieces that drafters share with the target (no copies) -----------------------
+    @property
+    def embed_tokens(self):
+        return self._inner.embed_tokens
+
+    def embed(self, tokens: mx.array) -> mx.array:
+        return self._inner.embed_tokens(tokens)
+
+    def head(self, hidden: mx.array) -> mx.array:
+        """Final norm + LM head applied to a last-layer hidden state."""
+        h = self._inner.norm(hidden)
+        if getattr(self.model, "lm_head", None) is not None:
+            return self.model.lm_head(h)
+        return self._inner.embed_tokens.as_linear(h)
+
+    # --- facts about the model -----------------------------------------------------------
+    @property
+    def hidden_size(self) -> int:
+        return int(self.config.get("hidden_size") or self.config["text_config"]["hidden_size"])
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.config.get("vocab_size") or self.config["text_config"]["vocab_size"])
+
+    @property
+    def context_length(self) -> Optional[int]:
+        cfg = self.config.get("text_config", self.config)
+        for key in ("max_position_embeddings", "max_seq_len", "n_positions", "seq_length"):
+            if cfg.get(key):
+                return int(cfg[key])
+        return None
+
+    @property
+    def eos_token_ids(self) -> Sequence[int]:
+        return sorted(getattr(self.tokenizer, "eos_token_ids", ()) or ())
+
+
+def _on_gpu() -> bool:
+    return mx.default_device() == mx.gpu
+
+
+def apply_dtype(model: nn.Module, dtype: str) -> str:
+    """Apply --dtype; returns the dtype actually used ("keep" when nothing was changed).
+
+    auto: keep quantized weights on a GPU, dequantize to float32 on the CPU, where
+    quantized and half-precision matmuls are slow (DESIGN.md measurements)."""
+    if dtype not in DTYPES:
+        raise MlxSpecError(f"unknown dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
+    if dtype == "auto":
+        dtype = "keep" if _on_gpu() else "float32"
+    if dtype == "keep":
+        return dtype
+    from mlx_lm.utils import dequantize_model
+
+    dequantize_model(model)
+    model.set_dtype(getattr(mx, dtype))
+    mx.eval(model.parameters())
+    return dtype
+
+
+def load_target(path, dtype: str = "auto") -> Target:
+    """Load an mlx-lm model directory (no hub access) as a Target."""
+    from mlx_lm.utils import load_model, load_tokenizer
+
+    path = Path(path)
+    if not path.is_dir():
+        raise MlxSpecError(f"model not found: {path} is not a directory")
+    if not (path / "config.json").is_file():
+        raise MlxSpecError(f"not a model directory: {path} has no config.json")
+    if list(path.glob("*.bin")) or list(path.glob("*.pt")) or list(path.glob("*.pth")):
+        if not list(path.glob("*.safetensors")):
+            raise MlxSpecError(
+                f"{path} holds pickled weights only; mlx-spec loads safetensors and GGUF, never "
+                "pickles (convert them with a tool you trust first)")
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise MlxSpecError(f"corrupt config.json in {path}: {e}") from None
+    try:
+        model, config = load_model(path, lazy=True)
+        tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
+    except Exception as e:  # mlx-lm raises many types for bad files; keep it to one line
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise MlxSpecError(f"cannot load model {path}: {msg}") from None
+    used = apply_dtype(model, dtype)
+    mx.eval(model.parameters())
+    return Target(model, tokenizer, config, path=str(path), dtype=used)
