@@ -6,7 +6,7 @@ embedding output (the input of layer 0).
 
 import json
 from pathlib import Path
-from typing import Dict, Iterable, Optional, Sequence
+from typing import Dict, Iterable, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -49,6 +49,7 @@ class Target:
         self.layers = model.layers
         self.num_layers = len(self.layers)
         self._inner = getattr(model, "model", None)
+        self.eos_token_ids = sorted(getattr(tokenizer, "eos_token_ids", None) or ())
 
     # --- the forward pass -------------------------------------------------------------
     def forward(self, tokens: mx.array, cache, taps: Iterable[int] = (), mask=None):
@@ -103,10 +104,6 @@ class Target:
             if cfg.get(key):
                 return int(cfg[key])
         return None
-
-    @property
-    def eos_token_ids(self) -> Sequence[int]:
-        return sorted(getattr(self.tokenizer, "eos_token_ids", ()) or ())
 
 
 def _on_gpu() -> bool:

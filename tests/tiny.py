@@ -1,0 +1,64 @@
+"""Tiny random models in real formats (mlx-lm config.json + model.safetensors)."""
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+from mlx.utils import tree_flatten, tree_map
+
+import mlx_spec  # noqa: F401  (loads OpenBLAS before mlx.core does any work)
+from mlx_spec.models.target import Target
+
+
+def tiny_config(arch="llama", vocab_size=32, hidden_size=64, num_layers=2, context=1024, **extra):
+    config = dict(model_type=arch, hidden_size=hidden_size, num_hidden_layers=num_layers,
+                  intermediate_size=2 * hidden_size, num_attention_heads=4, num_key_value_heads=2,
+                  rms_norm_eps=1e-5, vocab_size=vocab_size, max_position_embeddings=context,
+                  rope_theta=10000.0, tie_word_embeddings=False)
+    if arch == "qwen3":
+        config["head_dim"] = hidden_size // 4
+    config.update(extra)
+    return config
+
+
+def tiny_model(config, seed=0, scale=6.0):
+    """Random weights, scaled up so that greedy text is varied rather than one repeated token."""
+    from mlx_lm.utils import _get_classes
+
+    model_class, args_class = _get_classes(config)
+    mx.random.seed(seed)
+    model = model_class(args_class.from_dict(config))
+    model.update(tree_map(lambda p: p * scale if p.ndim == 2 else p, model.parameters()))
+    mx.eval(model.parameters())
+    return model
+
+
+def tiny_target(arch="llama", seed=0, scale=6.0, **kwargs):
+    config = tiny_config(arch, **kwargs)
+    return Target(tiny_model(config, seed, scale), None, config)
+
+
+def save_model(model, config, path) -> Path:
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    return path
+
+
+def plain_greedy(model, prompt, max_tokens):
+    """Reference: mlx-lm's own decoding loop."""
+    from mlx_lm.generate import generate_step
+
+    return [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=max_tokens)]
+
+
+def run(engine, prompt, max_tokens, **kwargs):
+    """(generated token ids, Stats) of one engine.generate call."""
+    tokens, stats = [], None
+    for event in engine.generate(prompt, max_tokens=max_tokens, **kwargs):
+        if event[0] == "token":
+            tokens.append(event[1])
+        elif event[0] == "done":
+            stats = event[1]
+    return tokens, stats
