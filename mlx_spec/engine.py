@@ -93,9 +93,6 @@ class Engine:
         self.key, key = mx.random.split(self.key)
         return key
 
-    def _forward(self, tokens: List[int]):
-        return self.target.forward(mx.array(tokens)[None], self.cache, self.drafter.taps)
-
     def _prefill(self, context: List[int]) -> None:
         """Bring the cache to context[:-1], reusing the longest prefix already there."""
         start = min(_common_prefix(self.cached_tokens, context), len(context) - 1)
@@ -104,7 +101,7 @@ class Engine:
         pieces = {}
         for i in range(start, len(context) - 1, PREFILL_CHUNK):
             chunk = context[i:min(i + PREFILL_CHUNK, len(context) - 1)]
-            _, taps = self._forward(chunk)
+            _, taps = self.target.forward(mx.array(chunk)[None], self.cache, self.drafter.taps)
             mx.eval([c.state for c in self.cache], taps)
             for layer, h in taps.items():
                 pieces.setdefault(layer, []).append(h)
@@ -142,14 +139,19 @@ class Engine:
             # Never draft past max_tokens: a step commits at most k + 1 tokens.
             k = min(self.num_draft_tokens, max_tokens - stats.generated_tokens - 1)
             draft = self.drafter.propose(k)
-            drafts = draft.tokens
+            # Drafts arrive as ints (lookup) or as a lazy array (model drafters), which is then
+            # evaluated together with the verification: still one sync per step.
+            drafts = draft.tokens if isinstance(draft.tokens, mx.array) else mx.array(draft.tokens, mx.int32)
+            width = 1 + drafts.shape[0]
 
             step_tic = time.perf_counter()
-            logits, taps = self._forward([context[-1]] + drafts)
-            verdict = verify_chain(logits[0], mx.array(drafts, mx.int32), draft.q,
-                                   self.sampling, None if self.sampling.greedy else self._next_key())
-            n_accepted, next_token = verdict.tolist()      # the one sync of the step
-            self.cost.record(len(drafts) + 1, time.perf_counter() - step_tic)
+            inputs = mx.concatenate([mx.array(context[-1:], mx.int32), drafts])
+            logits, taps = self.target.forward(inputs[None], self.cache, self.drafter.taps)
+            verdict = verify_chain(logits[0], drafts, draft.q, self.sampling,
+                                   None if self.sampling.greedy else self._next_key())
+            mx.eval(verdict, drafts)
+            (n_accepted, next_token), drafts = verdict.tolist(), drafts.tolist()
+            self.cost.record(width, time.perf_counter() - step_tic)
 
             committed = drafts[:n_accepted] + [next_token]
             rollback_to(self.cache, len(context) + n_accepted)

@@ -29,8 +29,7 @@ def verify_chain(logits: mx.array, drafts: mx.array, q: Optional[mx.array],
     rows = mx.arange(k)
     p_x = p[rows, drafts]                                           # [k]
     if q is None:
-        q = mx.zeros((k, p.shape[-1]), p.dtype)
-        q[rows, drafts] = 1.0
+        q = (mx.arange(p.shape[-1])[None] == drafts[:, None]).astype(p.dtype)
     q_x = q[rows, drafts]
     u = mx.random.uniform(shape=(k,), key=accept_key)
     accepted = (u * q_x < p_x).astype(mx.int32)                     # u < p/q without dividing

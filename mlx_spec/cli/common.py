@@ -63,10 +63,10 @@ def load_engine(model_path, dtype, method, draft_model, num_draft_tokens, ngram_
 
         model_path = default_model_path()
     target = load_target(model_path, dtype)
+    sampling = SamplingParams(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p).check(target.vocab_size)
     drafter = make_drafter(method, target, dict(
         draft_model=draft_model, ngram_max=ngram_max, ngram_min=ngram_min,
-        num_draft_tokens=num_draft_tokens, dtype=dtype))
-    sampling = SamplingParams(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p)
+        num_draft_tokens=num_draft_tokens, dtype=dtype, sampling=sampling, seed=seed))
     return Engine(target, drafter, num_draft_tokens=num_draft_tokens, sampling=sampling, seed=seed)
 
 

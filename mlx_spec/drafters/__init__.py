@@ -16,9 +16,21 @@ def _lookup(target, options):
     return LookupDrafter(ngram_max=options.get("ngram_max", 3), ngram_min=options.get("ngram_min", 1))
 
 
+def _draft_model(target, options):
+    from ..models.target import load_target
+    from .draft_model import DraftModelDrafter, check_same_vocabulary
+
+    if not options.get("draft_model"):
+        raise MlxSpecError("--draft model needs --draft-model PATH (a small mlx-lm model)")
+    draft = load_target(options["draft_model"], options.get("dtype", "auto"))
+    check_same_vocabulary(target, draft)
+    return DraftModelDrafter(draft, options["sampling"], target.vocab_size, options.get("seed", 0))
+
+
 DRAFTERS = {
     "none": _none,
     "lookup": _lookup,
+    "model": _draft_model,
 }
 
 

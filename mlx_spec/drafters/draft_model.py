@@ -1,0 +1,92 @@
+"""A separate small model with the target's tokenizer drafts k tokens autoregressively.
+
+It keeps its own KV cache; after each verification it rolls back to the longest prefix that is
+still valid (no re-prefill). At temperature > 0 it samples its drafts from its own q at the
+target's sampling settings and reports q, so verification stays exact. The k draft forwards
+stay one lazy graph: drafting and verification are evaluated together, with one sync."""
+
+from typing import List
+
+import mlx.core as mx
+
+from ..cache import check_rollback, make_cache, rollback_to
+from ..errors import MlxSpecError
+from ..sampling import SamplingParams, probs, sample
+from .base import Draft, Drafter
+
+
+def check_same_vocabulary(target, draft) -> None:
+    """Refuse a draft model whose tokens are not the target's (size, first ids, specials)."""
+    tt, dt = target.tokenizer, draft.tokenizer
+    if tt is None or dt is None:
+        if target.vocab_size != draft.vocab_size:
+            raise MlxSpecError(f"draft model vocabulary ({draft.vocab_size}) does not match the "
+                               f"target's ({target.vocab_size})")
+        return
+    tv, dv = tt.get_vocab(), dt.get_vocab()
+    if len(tv) != len(dv):
+        raise MlxSpecError(f"draft model tokenizer has {len(dv)} tokens, the target's has {len(tv)}")
+    first = range(min(1000, len(tv)))
+    if tt.convert_ids_to_tokens(list(first)) != dt.convert_ids_to_tokens(list(first)):
+        raise MlxSpecError("draft model tokenizer assigns different ids than the target's")
+    for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        if getattr(tt, name, None) != getattr(dt, name, None):
+            raise MlxSpecError(f"draft model {name} differs from the target's")
+
+
+class DraftModelDrafter(Drafter):
+    def __init__(self, draft, sampling: SamplingParams, vocab_size: int, seed: int = 0):
+        self.draft = draft
+        self.sampling = sampling
+        self.vocab_size = vocab_size        # the target's: q is padded to it
+        self.cache = make_cache(draft.model)
+        check_rollback(self.cache, "a draft model")
+        self.key = mx.random.key(seed + 1)  # independent of the engine's verification stream
+        self.context: List[int] = []        # committed tokens
+        self.cached: List[int] = []         # tokens whose K/V are in self.cache
+        self.pending = None                 # the last drafts (lazy until verification)
+
+    def _feed(self, tokens: List[int]):
+        logits, _ = self.draft.forward(mx.array(tokens)[None], self.cache)
+        self.cached += tokens
+        return logits
+
+    def prefill(self, context, taps, start):
+        keep = 0
+        while keep < min(len(self.cached), len(context) - 1) and self.cached[keep] == context[keep]:
+            keep += 1
+        rollback_to(self.cache, keep)
+        self.cached = self.cached[:keep]
+        self.context = list(context)
+        if len(context) - 1 > keep:
+            self._feed(self.context[keep:-1])
+            mx.eval([c.state for c in self.cache])
+
+    def propose(self, k):
+        self.pending = None
+        if k == 0:
+            return Draft()
+        logits = self._feed(self.context[len(self.cached):])
+        drafts, qs = [], []
+        for i in range(k):
+            if i:  # feed the previous draft, still lazy: no sync inside the loop
+                logits, _ = self.draft.forward(drafts[-1].reshape(1, 1), self.cache)
+            logits = logits[0, -1, :self.vocab_size]
+            self.key, key = mx.random.split(self.key)
+            drafts.append(sample(logits, self.sampling, key))
+            if not self.sampling.greedy:
+                qs.append(probs(logits, self.sampling))
+        q = None
+        if qs:
+            q = mx.stack(qs)
+            if q.shape[-1] < self.vocab_size:  # a draft head narrower than the target's
+                q = mx.pad(q, [(0, 0), (0, self.vocab_size - q.shape[-1])])
+        self.pending = mx.stack(drafts).astype(mx.int32)
+        return Draft(tokens=self.pending, q=q)
+
+    def commit(self, n_accepted, next_token, taps):
+        drafts = self.pending.tolist() if self.pending is not None else []
+        # The cache saw the context and drafts 1..k-1; what stays valid is the accepted part.
+        self.cached += drafts[:min(n_accepted, len(drafts) - 1)]
+        rollback_to(self.cache, len(self.cached))
+        self.context += drafts[:n_accepted] + [next_token]

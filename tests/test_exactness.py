@@ -1,0 +1,76 @@
+"""Sampled output of every draft source is distributed exactly as the target's."""
+
+import mlx.core as mx
+import pytest
+from exactness import VOCAB, chi_square_pvalue, draw, exact_distribution, repeated_prompt
+from tiny import tiny_target
+
+from mlx_spec.drafters.base import Draft
+from mlx_spec.drafters.draft_model import DraftModelDrafter
+from mlx_spec.drafters.lookup import LookupDrafter
+from mlx_spec.engine import Engine
+from mlx_spec.sampling import SamplingParams, probs
+
+N_TOKENS = 3
+N_SAMPLES = 20_000
+STRICT = 1e-3     # fail below this p-value (draws are seeded: the verdict is reproducible)
+
+
+
+def harness_model(seed):
+    # One narrow layer: the statistics need many draws, and each draw is a few engine steps.
+    return tiny_target("llama", vocab_size=VOCAB, seed=seed, scale=2.5, num_layers=1, hidden_size=32)
+
+
+@pytest.fixture(scope="module")
+def setup():
+    return harness_model(11), repeated_prompt()
+
+
+class ArgmaxWithSoftmaxQ(DraftModelDrafter):
+    """The classic bug: draft the argmax, but report the draft's softmax as q."""
+
+    def propose(self, k):
+        if k == 0:
+            self.pending = None
+            return Draft()
+        logits = self._feed(self.context[len(self.cached):])
+        drafts, qs = [], []
+        for i in range(k):
+            if i:
+                logits, _ = self.draft.forward(drafts[-1].reshape(1, 1), self.cache)
+            drafts.append(mx.argmax(logits[0, -1]))
+            qs.append(probs(logits[0, -1], self.sampling))
+        self.pending = mx.stack(drafts).astype(mx.int32)
+        return Draft(tokens=self.pending, q=mx.stack(qs))
+
+
+TEMP_1 = SamplingParams(temp=1.0)
+FILTERED = SamplingParams(temp=0.7, top_k=6, top_p=0.95)
+CASES = {
+    "lookup": (TEMP_1, lambda target, params: LookupDrafter(adaptive=False)),
+    "model-different": (TEMP_1, lambda target, params: DraftModelDrafter(harness_model(12), params, VOCAB, seed=5)),
+    "model-identical": (TEMP_1, lambda target, params: DraftModelDrafter(target, params, VOCAB, seed=6)),
+    "model-different-filtered": (FILTERED, lambda target, params: DraftModelDrafter(harness_model(12), params, VOCAB, seed=7)),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_exact_sampling(setup, case):
+    target, prompt = setup
+    params, make = CASES[case]
+    drafter = make(target, params)
+    engine = Engine(target, drafter, num_draft_tokens=3, sampling=params, seed=1)
+    counts = draw(engine, prompt, N_TOKENS, N_SAMPLES)
+    pvalue = chi_square_pvalue(counts, exact_distribution(target, prompt, N_TOKENS, params), N_SAMPLES)
+    assert pvalue > STRICT, f"{case}: p = {pvalue:.2e}"
+
+
+def test_harness_catches_a_broken_rule(setup):
+    target, prompt = setup
+    params = SamplingParams(temp=1.0)
+    exact = exact_distribution(target, prompt, N_TOKENS, params)
+    engine = Engine(target, ArgmaxWithSoftmaxQ(harness_model(12), params, VOCAB, seed=5), num_draft_tokens=3,
+                    sampling=params, seed=1)
+    counts = draw(engine, prompt, N_TOKENS, N_SAMPLES)
+    assert chi_square_pvalue(counts, exact, N_SAMPLES) < 1e-6
