@@ -81,12 +81,15 @@ class Target:
     def embed(self, tokens: mx.array) -> mx.array:
         return self._inner.embed_tokens(tokens)
 
-    def head(self, hidden: mx.array) -> mx.array:
-        """Final norm + LM head applied to a last-layer hidden state."""
-        h = self._inner.norm(hidden)
+    def lm_head(self, hidden: mx.array) -> mx.array:
+        """The output projection alone (drafters apply their own final norm first)."""
         if getattr(self.model, "lm_head", None) is not None:
-            return self.model.lm_head(h)
-        return self._inner.embed_tokens.as_linear(h)
+            return self.model.lm_head(hidden)
+        return self._inner.embed_tokens.as_linear(hidden)
+
+    def head(self, hidden: mx.array) -> mx.array:
+        """The target's final norm + output projection, applied to a last-layer hidden state."""
+        return self.lm_head(self._inner.norm(hidden))
 
     # --- facts about the model -----------------------------------------------------------
     @property
