@@ -1,0 +1,257 @@
+"""Timing harness: draft methods side by side with plain `mlx_lm.stream_generate`.
+
+Per prompt turn and repeat, the baseline and then every method run on the same loaded weights,
+alternating, so drift hits all alike. Times are wall clock around each whole generation
+(prefill included, the same work for all). Speedup = a method's tok/s / the baseline's tok/s
+on the same prompts. At temperature 0 every output is also compared with the baseline's
+(lossless check)."""
+
+import json
+import os
+import platform
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import mlx.core as mx
+
+from .errors import MlxSpecError
+
+
+@dataclass
+class Record:
+    method: str
+    category: str
+    question_id: str
+    turn: int
+    repeat: int
+    generated_tokens: int
+    seconds: float
+    steps: int = 0
+    proposed: int = 0
+    accepted: int = 0
+    baseline_tokens: int = 0
+    baseline_seconds: float = 0.0
+    identical: Optional[bool] = None      # temp 0 only: token-identical to the baseline
+    first_difference: Optional[int] = None
+    tokens_per_step_histogram: Dict[int, int] = field(default_factory=dict)
+
+    @property
+    def tokens_per_second(self):
+        return self.generated_tokens / self.seconds if self.seconds else 0.0
+
+
+def load_prompts(path=None, categories=()) -> List[dict]:
+    """Items {"question_id", "category", "turns": [...]} from JSONL ({"prompt": ...} or the
+    multi-turn layout), or the built-in suite."""
+    if path is None:
+        from .bench_suite import SUITE
+
+        rows = SUITE
+    else:
+        try:
+            lines = Path(path).read_text().splitlines()
+            rows = [json.loads(line) for line in lines if line.strip()]
+        except OSError as e:
+            raise MlxSpecError(f"cannot read prompts {path}: {e.strerror}") from None
+        except json.JSONDecodeError as e:
+            raise MlxSpecError(f"{path} is not JSONL: {e}") from None
+    items = []
+    for i, row in enumerate(rows):
+        turns = row.get("turns") or ([row["prompt"]] if "prompt" in row else None)
+        if not turns:
+            raise MlxSpecError(f"prompt {i + 1} has neither 'prompt' nor 'turns'")
+        items.append({"question_id": str(row.get("question_id", i + 1)),
+                      "category": row.get("category", "default"), "turns": list(turns)})
+    if categories:
+        items = [item for item in items if item["category"] in categories]
+        if not items:
+            raise MlxSpecError(f"no prompt in categories {', '.join(categories)}")
+    return items
+
+
+def _first_difference(a, b) -> Optional[int]:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def run_baseline(target, prompt_tokens, max_tokens, sampler):
+    """Plain mlx-lm on the same weights: (tokens, text, seconds)."""
+    from mlx_lm import stream_generate
+
+    tokens, pieces, eos = [], [], set(target.eos_token_ids)
+    tic = time.perf_counter()
+    for response in stream_generate(target.model, target.tokenizer, prompt_tokens,
+                                     max_tokens=max_tokens, sampler=sampler):
+        pieces.append(response.text)
+        if response.token not in eos:
+            tokens.append(response.token)
+    return tokens, "".join(pieces), time.perf_counter() - tic
+
+
+def run_method(engine, prompt_tokens, max_tokens):
+    """One engine generation on a fresh cache, as the baseline has:
+    (tokens, text, seconds, stats, histogram of tokens committed per step)."""
+    engine.reset()
+    tokens, pieces, histogram, stats = [], [], Counter(), None
+    tic = time.perf_counter()
+    for event in engine.generate(prompt_tokens, max_tokens=max_tokens):
+        if event[0] == "token":
+            tokens.append(event[1])
+        if event[0] in ("token", "text"):
+            pieces.append(event[-1])
+        elif event[0] == "step":
+            histogram[event[2] + 1] += 1
+        elif event[0] == "done":
+            stats = event[1]
+    return tokens, "".join(pieces), time.perf_counter() - tic, stats, histogram
+
+
+def run_bench(target, engines: Dict[str, object], items, max_tokens, repeats, sampling, seed=0,
+              progress=None) -> List[Record]:
+    """Every turn of every item, `repeats` times: the baseline, then each method."""
+    from mlx_lm.sample_utils import make_sampler
+
+    sampler = make_sampler(sampling.temp, sampling.top_p, sampling.min_p, top_k=sampling.top_k)
+    tokenizer = target.tokenizer
+    warmup = tokenizer.apply_chat_template([{"role": "user", "content": "Hello"}], add_generation_prompt=True)
+    run_baseline(target, warmup, 8, sampler)
+    for engine in engines.values():
+        run_method(engine, warmup, 8)
+    mx.random.seed(seed)
+
+    records = []
+    for item in items:
+        for repeat in range(repeats):
+            histories = {name: [] for name in ["baseline", *engines]}
+            for turn, user in enumerate(item["turns"]):
+                def prompt_of(name):
+                    histories[name].append({"role": "user", "content": user})
+                    return tokenizer.apply_chat_template(histories[name], add_generation_prompt=True)
+
+                base_tokens, text, base_seconds = run_baseline(target, prompt_of("baseline"), max_tokens, sampler)
+                histories["baseline"].append({"role": "assistant", "content": text})
+                for name, engine in engines.items():
+                    tokens, text, seconds, stats, histogram = run_method(engine, prompt_of(name), max_tokens)
+                    histories[name].append({"role": "assistant", "content": text})
+                    diff = _first_difference(tokens, base_tokens)
+                    records.append(Record(
+                        method=name, category=item["category"], question_id=item["question_id"],
+                        turn=turn, repeat=repeat, generated_tokens=len(tokens), seconds=seconds,
+                        steps=stats.steps, proposed=stats.proposed, accepted=stats.accepted,
+                        baseline_tokens=len(base_tokens), baseline_seconds=base_seconds,
+                        identical=(diff is None) if sampling.greedy else None,
+                        first_difference=diff if sampling.greedy else None,
+                        tokens_per_step_histogram=dict(sorted(histogram.items()))))
+                    if progress is not None:
+                        progress(1)
+    return records
+
+
+def summarize(records: List[Record]) -> List[dict]:
+    """One row per (method, category) and per method overall ("all")."""
+    groups: Dict[tuple, List[Record]] = {}
+    for r in records:
+        groups.setdefault((r.method, r.category), []).append(r)
+        groups.setdefault((r.method, "all"), []).append(r)
+    rows = []
+    for (method, category), rs in groups.items():
+        tokens = sum(r.generated_tokens for r in rs)
+        seconds = sum(r.seconds for r in rs)
+        base_tps = sum(r.baseline_tokens for r in rs) / sum(r.baseline_seconds for r in rs)
+        steps = sum(r.steps for r in rs)
+        committed = sum(k * v for r in rs for k, v in r.tokens_per_step_histogram.items())
+        proposed = sum(r.proposed for r in rs)
+        histogram = Counter()
+        for r in rs:
+            histogram.update(r.tokens_per_step_histogram)
+        checked = [r for r in rs if r.identical is not None]
+        rows.append(dict(
+            method=method, category=category, runs=len(rs), tokens=tokens,
+            tokens_per_second=tokens / seconds, baseline_tokens_per_second=base_tps,
+            speedup=(tokens / seconds) / base_tps,
+            tokens_per_step=committed / steps if steps else 0.0,
+            acceptance_rate=sum(r.accepted for r in rs) / proposed if proposed else 0.0,
+            identical=f"{sum(r.identical for r in checked)}/{len(checked)}" if checked else "n/a",
+            first_differences=[r.first_difference for r in checked if not r.identical],
+            tokens_per_step_histogram=dict(sorted(histogram.items()))))
+    rows.sort(key=lambda row: (row["method"], row["category"] == "all", row["category"]))
+    return rows
+
+
+COLUMNS = [("method", "{}"), ("category", "{}"), ("tokens_per_second", "{:.1f}"),
+           ("baseline_tokens_per_second", "{:.1f}"), ("speedup", "{:.2f}x"),
+           ("tokens_per_step", "{:.2f}"), ("acceptance_rate", "{:.0%}"), ("identical", "{}")]
+HEADERS = ["method", "category", "tok/s", "mlx-lm tok/s", "speedup", "tau", "acceptance", "identical"]
+
+
+def _cells(rows):
+    return [[fmt.format(row[key]) for key, fmt in COLUMNS] for row in rows]
+
+
+def render_table(rows) -> str:
+    cells = [HEADERS] + _cells(rows)
+    widths = [max(len(r[i]) for r in cells) for i in range(len(HEADERS))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def render_markdown(rows, meta) -> str:
+    lines = ["| " + " | ".join(HEADERS) + " |", "|" + "---|" * len(HEADERS)]
+    lines += ["| " + " | ".join(r) + " |" for r in _cells(rows)]
+    lines += ["", "tokens committed per step (histogram): " + "; ".join(
+        f"{row['method']}: {row['tokens_per_step_histogram']}" for row in rows if row["category"] == "all")]
+    lines += ["", "; ".join(f"{k}: {v}" for k, v in meta.items())]
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows, path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise MlxSpecError("--plot needs matplotlib: pip install 'mlx-spec[plot]'") from None
+    overall = [row for row in rows if row["category"] == "all"]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    categories = sorted({row["category"] for row in rows if row["category"] != "all"})
+    methods = [row["method"] for row in overall]
+    width = 0.8 / max(1, len(methods))
+    for i, method in enumerate(methods):
+        by_category = {row["category"]: row["speedup"] for row in rows if row["method"] == method}
+        left.bar([c + i * width for c in range(len(categories))],
+                 [by_category.get(c, 0) for c in categories], width, label=method)
+    left.axhline(1.0, color="gray", linewidth=0.8)
+    left.set_xticks([c + width * (len(methods) - 1) / 2 for c in range(len(categories))], categories)
+    left.set_ylabel("speedup vs plain mlx-lm")
+    left.legend()
+    for row in overall:
+        hist = row["tokens_per_step_histogram"]
+        total = sum(hist.values()) or 1
+        right.plot(list(hist), [v / total for v in hist.values()], marker="o", label=row["method"])
+    right.set_xlabel("tokens committed per step")
+    right.set_ylabel("fraction of steps")
+    right.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def machine_info(target, drafter_paths) -> dict:
+    import importlib.metadata as md
+
+    return {"machine": f"{platform.system()} {platform.machine()} ({platform.processor() or 'cpu'}), "
+                       f"{os.cpu_count()} cores",
+            "mlx": md.version("mlx"), "mlx-lm": md.version("mlx-lm"),
+            "device": str(mx.default_device()), "dtype": target.dtype, "model": target.path,
+            "drafters": drafter_paths}
+
+
+def write_json(path, meta, rows, records) -> None:
+    Path(path).write_text(json.dumps({"meta": meta, "summary": rows,
+                                      "records": [asdict(r) for r in records]}, indent=1))

