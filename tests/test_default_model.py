@@ -1,0 +1,82 @@
+"""End-to-end on the embedded default model: mlx-spec's output is mlx-lm's, token for token."""
+
+import mlx.core as mx
+import pytest
+from tiny import run
+
+from mlx_spec.bench_suite import SUITE
+from mlx_spec.drafters.lookup import LookupDrafter
+from mlx_spec.engine import Engine
+from mlx_spec.models.default import default_model_path
+from mlx_spec.models.target import load_target
+
+MAX_TOKENS = 128
+
+
+@pytest.fixture(scope="module")
+def target():
+    return load_target(default_model_path(), "float32")
+
+
+def mlx_lm_tokens(target, prompt, max_tokens):
+    from mlx_lm import stream_generate
+
+    eos = set(target.eos_token_ids)
+    return [r.token for r in stream_generate(target.model, target.tokenizer, prompt, max_tokens=max_tokens)
+            if r.token not in eos]
+
+
+def chat_prompt(target, text):
+    return target.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+
+
+@pytest.mark.parametrize("item", SUITE, ids=[f"{i}-{s['category']}" for i, s in enumerate(SUITE)])
+def test_lookup_matches_plain_and_mlx_lm(target, item):
+    prompt = chat_prompt(target, item["prompt"])
+    expected = mlx_lm_tokens(target, prompt, MAX_TOKENS)
+    plain, _ = run(Engine(target), prompt, MAX_TOKENS)
+    looked_up, stats = run(Engine(target, LookupDrafter()), prompt, MAX_TOKENS)
+    assert plain == expected
+    assert looked_up == expected
+    assert len(expected) == MAX_TOKENS or stats.finish_reason == "eos"
+
+
+def test_mlx_lm_load_generates_what_mlx_spec_generates():
+    """The converted directory, loaded by mlx-lm itself (quantized, as converted)."""
+    from mlx_lm import load
+
+    model, tokenizer = load(str(default_model_path()))
+    target = load_target(default_model_path(), "keep")
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Name three colors."}],
+                                           add_generation_prompt=True)
+    from mlx_lm import generate
+
+    text = generate(model, tokenizer, prompt, max_tokens=40)
+    tokens, _ = run(Engine(target, LookupDrafter()), prompt, 40)
+    assert tokenizer.decode(tokens) == text
+    assert "blue" in text.lower() or "red" in text.lower()
+
+
+def test_stop_string_inside_a_draft(target):
+    prompt = chat_prompt(target, SUITE[9]["prompt"])  # copies a text: lookup drafts long runs
+    full, _ = run(Engine(target), prompt, 60)
+    text = target.tokenizer.decode(full)
+    stop = text[40:52]
+    pieces = []
+    engine = Engine(target, LookupDrafter())
+    for event in engine.generate(prompt, max_tokens=60, stop_strings=[stop]):
+        if event[0] in ("token", "text"):
+            pieces.append(event[-1])
+        if event[0] == "done":
+            stats = event[1]
+    assert stats.finish_reason == "stop"
+    assert "".join(pieces) == text[:text.find(stop)]
+
+
+def test_stats_and_tau(target):
+    prompt = chat_prompt(target, SUITE[9]["prompt"])
+    _, stats = run(Engine(target, LookupDrafter()), prompt, 64)
+    assert stats.steps < 64 and stats.tokens_per_step > 1.2
+    assert 0 < stats.acceptance_rate <= 1
+    assert stats.committed == sum([stats.steps, stats.accepted])
+    mx.clear_cache()
