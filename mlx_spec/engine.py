@@ -19,6 +19,7 @@ from .cost import StepCost
 from .drafters.base import Drafter, NoDrafter
 from .errors import MlxSpecError
 from .sampling import SamplingParams, sample
+from .tree import Tree, compact, tree_forward, verify_tree
 from .verify import verify_chain
 
 PREFILL_CHUNK = 2048   # mlx-lm's prefill_step_size
@@ -93,6 +94,35 @@ class Engine:
         self.key, key = mx.random.split(self.key)
         return key
 
+    def _verify(self, context: List[int], draft):
+        """One target pass over [last token] + drafts and the verdict, with one sync.
+        Returns (drafts as ints, indices of the accepted drafts, the target's next token,
+        the target's taps at [last token, accepted drafts]); the cache ends after them."""
+        # Drafts arrive as ints (lookup) or as a lazy array (model drafters), which is then
+        # evaluated together with the verification.
+        drafts = draft.tokens if isinstance(draft.tokens, mx.array) else mx.array(draft.tokens, mx.int32)
+        inputs = mx.concatenate([mx.array(context[-1:], mx.int32), drafts])
+        key = None if self.sampling.greedy else self._next_key()
+        start = len(context) - 1
+        if draft.parents is None:
+            logits, taps = self.target.forward(inputs[None], self.cache, self.drafter.taps)
+            verdict = verify_chain(logits[0], drafts, draft.q, self.sampling, key)
+            mx.eval(verdict, drafts)
+            (n_accepted, next_token), drafts = verdict.tolist(), drafts.tolist()
+            path = list(range(n_accepted))
+            rollback_to(self.cache, start + 1 + n_accepted)
+            rows = slice(0, n_accepted + 1)
+        else:
+            tree = Tree(draft.parents)
+            logits, taps = tree_forward(self.target, inputs, tree, self.cache, self.drafter.taps)
+            mx.eval(logits, drafts)
+            drafts = drafts.tolist()
+            nodes, next_token = verify_tree(logits[0], drafts, tree, self.sampling, draft.q, key)
+            compact(self.cache, start, nodes)
+            path = [node - 1 for node in nodes[1:]]
+            rows = mx.array(nodes)
+        return drafts, path, next_token, {layer: h[:, rows] for layer, h in taps.items()}
+
     def _prefill(self, context: List[int]) -> None:
         """Bring the cache to context[:-1], reusing the longest prefix already there."""
         start = min(_common_prefix(self.cached_tokens, context), len(context) - 1)
@@ -139,25 +169,16 @@ class Engine:
             # Never draft past max_tokens: a step commits at most k + 1 tokens.
             k = min(self.num_draft_tokens, max_tokens - stats.generated_tokens - 1)
             draft = self.drafter.propose(k)
-            # Drafts arrive as ints (lookup) or as a lazy array (model drafters), which is then
-            # evaluated together with the verification: still one sync per step.
-            drafts = draft.tokens if isinstance(draft.tokens, mx.array) else mx.array(draft.tokens, mx.int32)
-            width = 1 + drafts.shape[0]
-
             step_tic = time.perf_counter()
-            inputs = mx.concatenate([mx.array(context[-1:], mx.int32), drafts])
-            logits, taps = self.target.forward(inputs[None], self.cache, self.drafter.taps)
-            verdict = verify_chain(logits[0], drafts, draft.q, self.sampling,
-                                   None if self.sampling.greedy else self._next_key())
-            mx.eval(verdict, drafts)
-            (n_accepted, next_token), drafts = verdict.tolist(), drafts.tolist()
-            self.cost.record(width, time.perf_counter() - step_tic)
+            drafts, path, next_token, taps = self._verify(context, draft)
+            self.cost.record(1 + len(drafts), time.perf_counter() - step_tic)
 
-            committed = drafts[:n_accepted] + [next_token]
-            rollback_to(self.cache, len(context) + n_accepted)
-            self.cached_tokens = context + drafts[:n_accepted]
-            self.drafter.commit(n_accepted, next_token,
-                                {layer: h[:, :n_accepted + 1] for layer, h in taps.items()})
+            accepted = [drafts[i] for i in path]
+            n_accepted = len(accepted)
+            committed = accepted + [next_token]
+            self.cached_tokens = context + accepted
+            self.drafter.commit(n_accepted, next_token, taps,
+                                **({"path": path} if draft.parents is not None else {}))
             stats.steps += 1
             stats.proposed += len(drafts)
             stats.accepted += n_accepted

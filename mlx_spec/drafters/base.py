@@ -9,6 +9,9 @@ import mlx.core as mx
 @dataclass
 class Draft:
     tokens: List[int] = field(default_factory=list)
+    # Tree drafts: parents[i] is the node draft i extends (0 = the last committed token,
+    # j + 1 = draft j), in breadth-first order. None: a chain.
+    parents: Optional[List[int]] = None
     # [k, V] probabilities the drafts were sampled from; None = deterministic (one-hot) drafts.
     q: Optional[mx.array] = None
 
@@ -30,12 +33,13 @@ class Drafter:
         context[:start] was already processed in an earlier generation of this session."""
 
     def propose(self, k: int) -> Draft:
-        """Up to k draft tokens that follow the last committed token."""
+        """Up to k draft tokens (a tree: up to k deep) that follow the last committed token."""
         raise NotImplementedError
 
-    def commit(self, n_accepted: int, next_token: int, taps: Dict[int, mx.array]) -> None:
-        """The first n_accepted drafts and then next_token were committed. taps hold the
-        target's hidden states at [last committed token, accepted drafts]."""
+    def commit(self, n_accepted: int, next_token: int, taps: Dict[int, mx.array], path=None) -> None:
+        """n_accepted drafts and then next_token were committed: the first n_accepted of a
+        chain, or for a tree the drafts at indices `path` (passed only for tree drafts). taps
+        hold the target's hidden states at [last committed token, accepted drafts]."""
 
 
 class NoDrafter(Drafter):

@@ -1,0 +1,150 @@
+"""Draft trees through mlx-lm's own layers: mask, positions, verification, cache compaction.
+
+Node 0 is the root (the last committed token); draft i is node i + 1 and `parents[i]` is the
+node it extends. A tree forward runs the target once over all nodes: each node sees the
+context and its own ancestors (the mask), and sits at position context length + depth. mlx-lm's
+attention applies RoPE at `cache.offset + arange(n)`, so during a tree pass each attention's
+`rope` is swapped for `DepthRope`, which calls the ORIGINAL rope once per depth group (every
+rope variant stays exact). After the verdict the accepted path's K/V rows are gathered into
+contiguous cache slots (`compact`)."""
+
+from typing import List, Optional, Sequence
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+
+class Tree:
+    def __init__(self, parents: Sequence[int]):
+        """parents[i]: the node (0 = root, j + 1 = draft j) that draft i extends; parents come
+        before children and depths never decrease (breadth-first order)."""
+        self.parents = [-1] + [int(p) for p in parents]
+        self.depths = [0]
+        for i, p in enumerate(self.parents[1:], start=1):
+            if not 0 <= p < i:
+                raise ValueError(f"node {i}: parent {p} must be an earlier node")
+            self.depths.append(self.depths[p] + 1)
+        if any(b < a for a, b in zip(self.depths, self.depths[1:])):
+            raise ValueError("tree nodes must be in breadth-first order")
+        self.children = [[] for _ in self.parents]
+        for i, p in enumerate(self.parents[1:], start=1):
+            self.children[p].append(i)
+
+    def __len__(self):
+        return len(self.parents)
+
+    def ancestors_mask(self) -> np.ndarray:
+        """[n, n] bool: node i sees node j iff j is i or one of its ancestors."""
+        n = len(self)
+        mask = np.zeros((n, n), dtype=bool)
+        for i in range(n):
+            j = i
+            while j >= 0:
+                mask[i, j] = True
+                j = self.parents[j]
+        return mask
+
+    def attention_mask(self, context_length: int) -> mx.array:
+        """[n, context + n] bool: the whole context, then each node's ancestors."""
+        seen = np.ones((len(self), context_length), dtype=bool)
+        return mx.array(np.concatenate([seen, self.ancestors_mask()], axis=1))
+
+    def positions(self, context_length: int) -> List[int]:
+        return [context_length + d for d in self.depths]
+
+    def depth_groups(self):
+        """(depth, first node, end) for each depth: contiguous in breadth-first order."""
+        groups, start = [], 0
+        for i in range(1, len(self) + 1):
+            if i == len(self) or self.depths[i] != self.depths[start]:
+                groups.append((self.depths[start], start, i))
+                start = i
+        return groups
+
+    def path_to(self, node: int) -> List[int]:
+        path = []
+        while node >= 0:
+            path.append(node)
+            node = self.parents[node]
+        return path[::-1]
+
+
+class DepthRope(nn.Module):
+    """Applies the original rope at offset + depth to each depth group of a tree pass."""
+
+    def __init__(self, rope, groups):
+        super().__init__()
+        self.original = rope
+        self.groups = groups
+
+    def __call__(self, x, offset=0):
+        # Each node becomes a length-1 sequence, so the whole group sits at one position.
+        return mx.concatenate(
+            [self.original(x[..., start:end, None, :], offset=offset + depth)[..., 0, :]
+             for depth, start, end in self.groups], axis=-2)
+
+
+def tree_forward(target, tokens: mx.array, tree: Tree, cache, taps=()):
+    """One target pass over the tree nodes (tokens [n]): (logits [1, n, V], taps)."""
+    context_length = cache[0].offset
+    attentions = [layer.self_attn for layer in target.layers]
+    originals = [attention.rope for attention in attentions]
+    groups = tree.depth_groups()
+    try:
+        for attention, rope in zip(attentions, originals):
+            attention.rope = DepthRope(rope, groups)
+        return target.forward(tokens[None], cache, taps, mask=tree.attention_mask(context_length))
+    finally:
+        for attention, rope in zip(attentions, originals):
+            attention.rope = rope
+
+
+def compact(cache, start: int, path: Sequence[int]) -> None:
+    """Move the K/V rows of the accepted path's nodes (tree node indices, written at
+    start + node) to start, start + 1, ...; the cache then ends after the path."""
+    rows = mx.array([start + node for node in path])
+    for c in cache:
+        end = start + len(path)
+        c.keys[..., start:end, :] = c.keys[..., rows, :]
+        c.values[..., start:end, :] = c.values[..., rows, :]
+        c.offset = end
+
+
+def verify_tree(logits: mx.array, tokens: Sequence[int], tree: Tree, params,
+                q: Optional[mx.array], key) -> (List[int], int):
+    """Walk the tree from the root: (accepted path of node indices, the target's next token).
+
+    Greedy: follow the child whose token is the target's argmax. Sampling: at each node try the
+    children in order with the chain rule (accept x with min(1, r(x)/q(x)), else r <- norm(max(0,
+    r - q))); if none is accepted, sample from what is left of r. q[i] is the distribution draft i
+    was drawn from (None: deterministic drafts, one-hot)."""
+    from .sampling import probs
+
+    node_tokens = [None] + list(tokens)
+    if params.greedy:
+        best = mx.argmax(logits, axis=-1).tolist()
+        path = [0]
+        while True:
+            follow = [c for c in tree.children[path[-1]] if node_tokens[c] == best[path[-1]]]
+            if not follow:
+                return path, best[path[-1]]
+            path.append(follow[0])
+
+    p = np.array(probs(logits, params), dtype=np.float64)
+    q = None if q is None else np.array(q, dtype=np.float64)
+    rng = np.random.default_rng(int(mx.random.randint(0, 2**31 - 1, key=key).item()))
+    path = [0]
+    while True:
+        residual = p[path[-1]].copy()
+        for child in tree.children[path[-1]]:
+            x = node_tokens[child]
+            q_child = np.eye(1, len(residual), x)[0] if q is None else q[child - 1]
+            if rng.random() * q_child[x] < residual[x]:
+                path.append(child)
+                break
+            residual = np.maximum(residual - q_child, 0.0)
+            total = residual.sum()
+            residual = residual / total if total > 0 else p[path[-1]]
+        else:
+            return path, int(rng.choice(len(residual), p=residual / residual.sum()))
