@@ -1,0 +1,87 @@
+"""mlx-spec bench on a tiny model: every field, and a lossless counter that can fail."""
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+from tiny import save_model, tiny_config, tiny_model
+
+from mlx_spec import bench
+from mlx_spec.drafters.lookup import LookupDrafter
+from mlx_spec.engine import Engine
+from mlx_spec.models.default import default_model_path
+from mlx_spec.models.target import load_target
+from mlx_spec.sampling import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    """A tiny random model with the default model's tokenizer (so chat templates work)."""
+    config = tiny_config(vocab_size=49152, hidden_size=64, context=2048)
+    path = save_model(tiny_model(config, scale=4.0), config, tmp_path_factory.mktemp("tiny") / "model")
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(default_model_path() / name, path / name)
+    return path
+
+
+class DivergentEngine(Engine):
+    """Replaces the target's 6th token: a method that is NOT lossless."""
+
+    def generate(self, prompt, max_tokens=256, stop_strings=()):
+        n = 0
+        for event in super().generate(prompt, max_tokens, stop_strings):
+            if event[0] == "token":
+                n += 1
+                if n == 6:
+                    event = ("token", (event[1] + 1) % 100, event[2])
+            yield event
+
+
+def test_lossless_counter_catches_a_divergent_method(tiny_dir):
+    target = load_target(tiny_dir, "float32")
+    engines = {"lookup": Engine(target, LookupDrafter()), "broken": DivergentEngine(target)}
+    items = bench.load_prompts(None, ["summarize", "code"])
+    records = bench.run_bench(target, engines, items, max_tokens=12, repeats=1, sampling=SamplingParams())
+    rows = {(r["method"], r["category"]): r for r in bench.summarize(records)}
+    assert rows[("lookup", "all")]["identical"] == "4/4"
+    assert rows[("broken", "all")]["identical"] == "0/4"
+    assert rows[("broken", "all")]["first_differences"] == [5, 5, 5, 5]
+
+
+def test_bench_cli_writes_every_field(tiny_dir, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"question_id": "q1", "category": "chat", "turns": ["Hi.", "And then?"]}) + "\n"
+                       + json.dumps({"prompt": "Repeat: a b c d e f", "category": "copy"}) + "\n")
+    out = tmp_path / "bench.json"
+    markdown = tmp_path / "bench.md"
+    result = subprocess.run(
+        [sys.executable, "-m", "mlx_spec.cli", "bench", "--model", str(tiny_dir), "--prompts", str(prompts),
+         "--methods", "none,lookup", "--max-tokens", "10", "--repeats", "2", "--json", str(out),
+         "--markdown", str(markdown)], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr
+    assert "speedup" in result.stdout and "bench" in result.stderr      # table and progress bar
+    data = json.loads(out.read_text())
+    assert set(data["meta"]) >= {"machine", "mlx", "mlx-lm", "device", "dtype", "model", "drafters"}
+    assert len(data["records"]) == 2 * 2 * 3          # methods x repeats x turns (2 + 1)
+    assert {r["turn"] for r in data["records"]} == {0, 1}
+    for record in data["records"]:
+        assert set(record) >= {"method", "category", "question_id", "turn", "repeat", "generated_tokens",
+                               "seconds", "steps", "baseline_tokens", "baseline_seconds", "identical",
+                               "first_difference", "tokens_per_step_histogram"}
+        assert record["identical"] is True
+    for row in data["summary"]:
+        assert set(row) >= {"method", "category", "tokens_per_second", "baseline_tokens_per_second", "speedup",
+                            "tokens_per_step", "acceptance_rate", "identical", "tokens_per_step_histogram"}
+    assert {row["category"] for row in data["summary"]} == {"chat", "copy", "all"}
+    assert markdown.read_text().startswith("| method |")
+
+
+def test_bad_prompts_file(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("{nope\n")
+    result = subprocess.run([sys.executable, "-m", "mlx_spec.cli", "bench", "--prompts", str(bad)],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 1
+    assert result.stderr.strip().count("\n") == 0 and "is not JSONL" in result.stderr
