@@ -9,6 +9,7 @@ on the same prompts. At temperature 0 every output is also compared with the bas
 import json
 import os
 import platform
+import statistics
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
@@ -153,16 +154,24 @@ def run_bench(target, engines: Dict[str, object], items, max_tokens, repeats, sa
 
 
 def summarize(records: List[Record]) -> List[dict]:
-    """One row per (method, category) and per method overall ("all")."""
+    """One row per (method, category) and per method overall ("all"); tok/s and speedup are
+    medians over repeats."""
     groups: Dict[tuple, List[Record]] = {}
     for r in records:
         groups.setdefault((r.method, r.category), []).append(r)
         groups.setdefault((r.method, "all"), []).append(r)
     rows = []
     for (method, category), rs in groups.items():
+        # One aggregate tok/s per repeat (a pass over the category's prompts), then the median
+        # over repeats: drift and outliers hit a median less than a mean.
+        repeats = sorted({r.repeat for r in rs})
+        per_repeat = []
+        for repeat in repeats:
+            run = [r for r in rs if r.repeat == repeat]
+            tps = sum(r.generated_tokens for r in run) / sum(r.seconds for r in run)
+            base = sum(r.baseline_tokens for r in run) / sum(r.baseline_seconds for r in run)
+            per_repeat.append((tps, base, tps / base))
         tokens = sum(r.generated_tokens for r in rs)
-        seconds = sum(r.seconds for r in rs)
-        base_tps = sum(r.baseline_tokens for r in rs) / sum(r.baseline_seconds for r in rs)
         steps = sum(r.steps for r in rs)
         committed = sum(k * v for r in rs for k, v in r.tokens_per_step_histogram.items())
         proposed = sum(r.proposed for r in rs)
@@ -171,9 +180,11 @@ def summarize(records: List[Record]) -> List[dict]:
             histogram.update(r.tokens_per_step_histogram)
         checked = [r for r in rs if r.identical is not None]
         rows.append(dict(
-            method=method, category=category, runs=len(rs), tokens=tokens,
-            tokens_per_second=tokens / seconds, baseline_tokens_per_second=base_tps,
-            speedup=(tokens / seconds) / base_tps,
+            method=method, category=category, runs=len(rs), repeats=len(repeats), tokens=tokens,
+            tokens_per_second=statistics.median(t for t, _, _ in per_repeat),
+            baseline_tokens_per_second=statistics.median(b for _, b, _ in per_repeat),
+            speedup=statistics.median(x for _, _, x in per_repeat),
+            speedup_per_repeat=[x for _, _, x in per_repeat],
             tokens_per_step=committed / steps if steps else 0.0,
             acceptance_rate=sum(r.accepted for r in rs) / proposed if proposed else 0.0,
             identical=f"{sum(r.identical for r in checked)}/{len(checked)}" if checked else "n/a",
