@@ -1,29 +1,22 @@
 """mlx-spec bench on a tiny model: every field, and a lossless counter that can fail."""
 
 import json
-import shutil
 import subprocess
 import sys
 
 import pytest
-from tiny import save_model, tiny_config, tiny_model
+from tiny import tiny_chat_model_dir
 
 from mlx_spec import bench
 from mlx_spec.drafters.lookup import LookupDrafter
 from mlx_spec.engine import Engine
-from mlx_spec.models.default import default_model_path
 from mlx_spec.models.target import load_target
 from mlx_spec.sampling import SamplingParams
 
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
-    """A tiny random model with the default model's tokenizer (so chat templates work)."""
-    config = tiny_config(vocab_size=49152, hidden_size=64, context=2048)
-    path = save_model(tiny_model(config, scale=4.0), config, tmp_path_factory.mktemp("tiny") / "model")
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        shutil.copy(default_model_path() / name, path / name)
-    return path
+    return tiny_chat_model_dir(tmp_path_factory.mktemp("tiny") / "model")
 
 
 class DivergentEngine(Engine):

@@ -62,3 +62,16 @@ def run(engine, prompt, max_tokens, **kwargs):
         elif event[0] == "done":
             stats = event[1]
     return tokens, stats
+
+
+def tiny_chat_model_dir(path, seed=0):
+    """A tiny random model with the default model's tokenizer and chat template."""
+    import shutil
+
+    from mlx_spec.models.default import default_model_path
+
+    config = tiny_config(vocab_size=49152, hidden_size=64, context=2048)
+    path = save_model(tiny_model(config, seed=seed, scale=4.0), config, path)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(default_model_path() / name, path / name)
+    return path

@@ -9,6 +9,7 @@ from .bench import bench
 from .chat import chat
 from .convert import convert
 from .generate import generate
+from .train import train
 
 
 class OneLineErrors(click.Group):
@@ -33,5 +34,5 @@ def main():
     """Lossless speculative decoding on MLX."""
 
 
-for command in (generate, chat, convert, bench):
+for command in (generate, chat, convert, bench, train):
     main.add_command(command)

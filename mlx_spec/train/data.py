@@ -1,0 +1,159 @@
+"""Training data for drafters: prompts from offline sources assembled here, answered by the
+TARGET itself (a drafter learns to predict what the target says, not what a dataset says).
+
+Sources (never a public benchmark set): instructions written here (templates x topics), code
+and docstrings of the installed Python standard library, generated arithmetic word problems,
+and standard-library documentation to summarize or rewrite. Responses are generated in batches
+(mlx-lm's batch_generate), appended to JSONL as they come (resumable), and a stable hash of each
+prompt's id puts ~5% of them in a held-out split."""
+
+import hashlib
+import inspect
+import json
+import random
+import textwrap
+from pathlib import Path
+from typing import Callable, Dict, Iterator, List, Optional
+
+TOPICS = ["photosynthesis", "compound interest", "the water cycle", "how vaccines work", "black holes",
+          "the French Revolution", "recursion in programming", "supply and demand", "plate tectonics",
+          "how a bicycle stays upright", "the immune system", "machine learning", "climate and weather",
+          "the printing press", "prime numbers", "how bread rises", "electric circuits", "sleep",
+          "volcanoes", "the stock market", "honeybees", "public transport", "solar panels", "memory",
+          "the Roman Empire", "coral reefs", "inflation", "the internet", "friendship", "time zones"]
+ACTIVITIES = ["learning a language", "running a first 5k", "saving money", "cooking for a family",
+              "studying for exams", "starting a garden", "working from home", "public speaking",
+              "keeping a journal", "traveling on a budget", "learning to draw", "moving to a new city"]
+INSTRUCTIONS = ["Explain {topic} in simple terms.", "What are the most common misconceptions about {topic}?",
+                "Write a short paragraph about {topic} for a ten-year-old.", "Give three facts about {topic}.",
+                "Write a short poem about {topic}.", "What questions would an expert ask about {topic}?",
+                "Give three practical tips for {activity}.", "What mistakes do beginners make when {activity}?",
+                "Write a short plan for a week of {activity}.", "Compare {topic} and {other} in a few sentences."]
+WORD_PROBLEMS = [
+    "A shop sells {a} apples on Monday and {b} apples on Tuesday. Each apple costs {c} cents. How much money did the shop make? Show your steps.",
+    "A train travels {a} km in {c} hours. How far does it travel in {b} hours at the same speed? Explain.",
+    "Sam has {a} marbles and gives {c} to each of his {d} friends. How many marbles does he have left?",
+    "A rectangle is {a} cm long and {c} cm wide. What are its area and perimeter?",
+    "A class of {a} students is split into groups of {d}. How many full groups are there, and how many students are left over?",
+]
+STDLIB_MODULES = ["json", "textwrap", "collections", "functools", "itertools", "statistics", "string", "shutil",
+                  "pathlib", "argparse", "csv", "datetime", "heapq", "bisect", "random", "difflib", "fractions",
+                  "calendar", "copy", "pprint", "queue", "glob", "fnmatch", "base64", "html", "zipfile"]
+
+
+def _stdlib_objects():
+    import importlib
+
+    for name in STDLIB_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        yield name, module
+        for attr in sorted(vars(module)):
+            obj = getattr(module, attr)
+            if (inspect.isfunction(obj) or inspect.isclass(obj)) and getattr(obj, "__module__", None) == name \
+                    and not attr.startswith("_"):
+                yield f"{name}.{attr}", obj
+
+
+def _source(obj, limit=1800) -> Optional[str]:
+    try:
+        code = inspect.getsource(obj)
+    except (OSError, TypeError):
+        return None
+    return code if 80 < len(code) <= limit else None
+
+
+def build_prompts(seed: int = 0) -> List[Dict[str, str]]:
+    """Every prompt of every source, with a stable id."""
+    rng = random.Random(seed)
+    prompts = []
+    for i, template in enumerate(INSTRUCTIONS):
+        subjects = ACTIVITIES if "{activity}" in template else TOPICS
+        for subject in subjects:
+            other = rng.choice([t for t in TOPICS if t != subject])
+            text = template.format(topic=subject, activity=subject, other=other)
+            prompts.append({"id": f"instr-{i}-{subject}", "source": "instructions", "prompt": text})
+    for i in range(300):
+        template = WORD_PROBLEMS[i % len(WORD_PROBLEMS)]
+        values = dict(a=rng.randint(12, 480), b=rng.randint(2, 60), c=rng.randint(2, 12), d=rng.randint(2, 9))
+        prompts.append({"id": f"math-{i}", "source": "arithmetic", "prompt": template.format(**values)})
+    for name, obj in _stdlib_objects():
+        doc = inspect.getdoc(obj) or ""
+        code = _source(obj) if not inspect.ismodule(obj) else None
+        if code:
+            prompts.append({"id": f"code-explain-{name}", "source": "code",
+                            "prompt": f"Explain what this Python code does:\n\n{code}"})
+            stripped = code.replace(f'"""{obj.__doc__}"""', "") if obj.__doc__ else code
+            prompts.append({"id": f"code-doc-{name}", "source": "code",
+                            "prompt": f"Add a docstring and comments to this Python code and return it:\n\n{stripped}"})
+        if 200 < len(doc) < 2500:
+            text = textwrap.shorten(doc, 1500, placeholder=" ...") if len(doc) > 1500 else doc
+            prompts.append({"id": f"summarize-{name}", "source": "summarize",
+                            "prompt": f"Summarize the following documentation in a few sentences:\n\n{text}"})
+            prompts.append({"id": f"rewrite-{name}", "source": "rewrite",
+                            "prompt": f"Rewrite this text in plain, simple English:\n\n{text}"})
+    seen, unique = set(), []
+    for p in prompts:
+        if p["id"] not in seen:
+            seen.add(p["id"])
+            unique.append(p)
+    rng.shuffle(unique)
+    return unique
+
+
+def is_heldout(prompt_id: str, fraction: float = 0.05) -> bool:
+    digest = hashlib.sha256(prompt_id.encode()).digest()
+    return int.from_bytes(digest[:4], "little") / 2**32 < fraction
+
+
+def read_split(directory, split: str) -> List[dict]:
+    path = Path(directory) / f"{split}.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def generate_data(target, out_dir, limit: Optional[int] = None, max_tokens: int = 256, batch_size: int = 8,
+                  temp: float = 0.0, seed: int = 0, progress: Optional[Callable[[int], None]] = None) -> Dict[str, int]:
+    """Answer the prompts with the target; append to out_dir/{train,heldout}.jsonl. Prompts
+    already answered (by id) are skipped, so an interrupted run resumes."""
+    from mlx_lm import batch_generate
+    from mlx_lm.sample_utils import make_sampler
+
+    import mlx.core as mx
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    done = {row["id"] for split in ("train", "heldout") for row in read_split(out_dir, split)}
+    prompts = build_prompts(seed)[:limit]
+    todo = [p for p in prompts if p["id"] not in done]
+    mx.random.seed(seed)
+    tokenizer = target.tokenizer
+    counts = {"skipped": len(prompts) - len(todo), "written": 0}
+    if progress:
+        progress(counts["skipped"])
+    for start in range(0, len(todo), batch_size):
+        batch = todo[start:start + batch_size]
+        encoded = [tokenizer.apply_chat_template([{"role": "user", "content": p["prompt"]}], add_generation_prompt=True)
+                   for p in batch]
+        result = batch_generate(target.model, tokenizer, encoded, max_tokens=max_tokens,
+                                sampler=make_sampler(temp), return_token_ids=True)
+        for p, prompt_tokens, text, response_tokens in zip(batch, encoded, result.texts, result.token_ids):
+            row = dict(p, prompt_tokens=list(prompt_tokens), response=text,
+                       response_tokens=[int(t) for t in response_tokens])
+            split = "heldout" if is_heldout(p["id"]) else "train"
+            with open(out_dir / f"{split}.jsonl", "a") as f:
+                f.write(json.dumps(row) + "\n")
+            counts["written"] += 1
+        if progress:
+            progress(len(batch))
+    counts["total"] = len(prompts)
+    return counts
+
+
+def iter_sequences(directory, split: str = "train") -> Iterator[List[int]]:
+    """Prompt + response token ids of every stored example."""
+    for row in read_split(directory, split):
+        yield row["prompt_tokens"] + row["response_tokens"]
