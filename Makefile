@@ -22,7 +22,7 @@ chat: setup
 	$(BIN)/mlx-spec chat
 
 test: setup
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2
 
 clean:
 	rm -rf $(VENV)

@@ -14,7 +14,7 @@ from typing import Iterator, List, Optional, Sequence
 
 import mlx.core as mx
 
-from .cache import check_rollback, make_cache, rollback_to
+from .cache import check_rollback, common_prefix_length, make_cache, rollback_to
 from .cost import StepCost
 from .drafters.base import Drafter, NoDrafter
 from .errors import MlxSpecError
@@ -58,15 +58,6 @@ class Stats:
         d.update(tokens_per_step=self.tokens_per_step, acceptance_rate=self.acceptance_rate,
                  tokens_per_second=self.tokens_per_second)
         return d
-
-
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 class Engine:
@@ -125,7 +116,11 @@ class Engine:
 
     def _prefill(self, context: List[int]) -> None:
         """Bring the cache to context[:-1], reusing the longest prefix already there."""
-        start = min(_common_prefix(self.cached_tokens, context), len(context) - 1)
+        start = min(common_prefix_length(self.cached_tokens, context), len(context) - 1)
+        if self.drafter.taps and start > 0:
+            # Recompute at least one position: feature drafters pair the last prompt token with
+            # the target's features of the position before it.
+            start -= 1
         rollback_to(self.cache, start)
         self.cached_tokens = list(context[:start])
         pieces = {}
@@ -142,6 +137,49 @@ class Engine:
     def generate(self, prompt: Sequence[int], max_tokens: int = 256,
                  stop_strings: Sequence[str] = ()) -> Iterator[tuple]:
         prompt = list(prompt)
+        self._check(prompt, max_tokens)
+        stats = Stats(prompt_tokens=len(prompt))
+        tic = time.perf_counter()
+        self._prefill(prompt)
+        stats.prompt_seconds = time.perf_counter() - tic
+
+        output = _Output(self.target, stop_strings, max_tokens, stats)
+        context = list(prompt)      # every committed token; context[-1] is not in the cache yet
+        tic = time.perf_counter()
+        try:
+            while not stats.finish_reason:
+                # Never draft past max_tokens: a step commits at most k + 1 tokens.
+                draft = self.drafter.propose(min(self.num_draft_tokens, max_tokens - stats.generated_tokens - 1))
+                step_tic = time.perf_counter()
+                drafts, path, next_token, taps = self._verify(context, draft)
+                self.cost.record(1 + len(drafts), time.perf_counter() - step_tic)
+
+                accepted = [drafts[i] for i in path]
+                self.cached_tokens = context + accepted
+                self.drafter.commit(len(accepted), next_token, taps,
+                                    **({"path": path} if draft.parents is not None else {}))
+                stats.steps += 1
+                stats.proposed += len(drafts)
+                stats.accepted += len(accepted)
+                stats.committed += len(accepted) + 1
+                yield ("step", len(drafts), len(accepted))
+
+                for token in accepted + [next_token]:   # EOS, a stop string or the limit may
+                    context.append(token)               # end the output inside the drafts
+                    yield from output.add(token)
+                    if stats.finish_reason:
+                        break
+            yield from output.flush()
+        except BaseException:
+            self.cached_tokens = []   # an interrupted step leaves cache and drafter out of step
+            raise
+        stats.generate_seconds = time.perf_counter() - tic
+        # Drafts committed past EOS/stop/limit are dropped: the cache keeps only what is kept.
+        rollback_to(self.cache, len(context) - 1)
+        self.cached_tokens = context[:-1]
+        yield ("done", stats)
+
+    def _check(self, prompt: List[int], max_tokens: int) -> None:
         if not prompt:
             raise MlxSpecError("the prompt is empty")
         if max_tokens < 1:
@@ -151,70 +189,42 @@ class Engine:
             raise MlxSpecError(
                 f"prompt ({len(prompt)} tokens) + max tokens ({max_tokens}) exceed the model's "
                 f"context of {limit} tokens")
-        eos = set(self.target.eos_token_ids)
-        tokenizer = self.target.tokenizer
-        detokenizer = tokenizer.detokenizer if tokenizer is not None else None
-        if detokenizer is not None:
-            detokenizer.reset()
-        stats = Stats(prompt_tokens=len(prompt))
 
-        tic = time.perf_counter()
-        self._prefill(prompt)
-        stats.prompt_seconds = time.perf_counter() - tic
 
-        context = list(prompt)      # every committed token; context[-1] is not in the cache yet
-        text = ""
-        tic = time.perf_counter()
-        while not stats.finish_reason:
-            # Never draft past max_tokens: a step commits at most k + 1 tokens.
-            k = min(self.num_draft_tokens, max_tokens - stats.generated_tokens - 1)
-            draft = self.drafter.propose(k)
-            step_tic = time.perf_counter()
-            drafts, path, next_token, taps = self._verify(context, draft)
-            self.cost.record(1 + len(drafts), time.perf_counter() - step_tic)
+class _Output:
+    """Turns committed tokens into output events; decides when the output ends (EOS, a stop
+    string, max tokens) and records why in stats.finish_reason."""
 
-            accepted = [drafts[i] for i in path]
-            n_accepted = len(accepted)
-            committed = accepted + [next_token]
-            self.cached_tokens = context + accepted
-            self.drafter.commit(n_accepted, next_token, taps,
-                                **({"path": path} if draft.parents is not None else {}))
-            stats.steps += 1
-            stats.proposed += len(drafts)
-            stats.accepted += n_accepted
-            stats.committed += len(committed)
-            yield ("step", len(drafts), n_accepted)
+    def __init__(self, target, stop_strings, max_tokens, stats):
+        self.eos = set(target.eos_token_ids)
+        self.detokenizer = target.tokenizer.detokenizer if target.tokenizer is not None else None
+        if self.detokenizer is not None:
+            self.detokenizer.reset()
+        self.stop_strings, self.max_tokens, self.stats = stop_strings, max_tokens, stats
+        self.text = ""
 
-            for token in committed:
-                context.append(token)
-                if token in eos:
-                    stats.finish_reason = "eos"
-                    break
-                stats.generated_tokens += 1
-                segment = ""
-                if detokenizer is not None:
-                    detokenizer.add_token(token)
-                    segment = detokenizer.last_segment
-                if stop_strings:
-                    text += segment
-                    hit = min((text.find(s) for s in stop_strings if s in text), default=-1)
-                    if hit >= 0:
-                        # Print up to the stop string, never past it.
-                        segment = segment[:max(0, len(segment) - (len(text) - hit))]
-                        stats.finish_reason = "stop"
-                yield ("token", token, segment)
-                if stats.finish_reason:
-                    break
-                if stats.generated_tokens >= max_tokens:
-                    stats.finish_reason = "length"
-                    break
+    def add(self, token: int):
+        stats = self.stats
+        if token in self.eos:
+            stats.finish_reason = "eos"
+            return
+        stats.generated_tokens += 1
+        segment = ""
+        if self.detokenizer is not None:
+            self.detokenizer.add_token(token)
+            segment = self.detokenizer.last_segment
+        if self.stop_strings:
+            self.text += segment
+            hit = min((self.text.find(s) for s in self.stop_strings if s in self.text), default=-1)
+            if hit >= 0:  # print up to the stop string, never past it
+                segment = segment[:max(0, len(segment) - (len(self.text) - hit))]
+                stats.finish_reason = "stop"
+        yield ("token", token, segment)
+        if not stats.finish_reason and stats.generated_tokens >= self.max_tokens:
+            stats.finish_reason = "length"
 
-        if detokenizer is not None and stats.finish_reason != "stop":
-            detokenizer.finalize()
-            if detokenizer.last_segment:
-                yield ("text", detokenizer.last_segment)
-        stats.generate_seconds = time.perf_counter() - tic
-        # Drafts committed past EOS/stop/limit are dropped: the cache keeps only what is kept.
-        rollback_to(self.cache, len(context) - 1)
-        self.cached_tokens = context[:-1]
-        yield ("done", stats)
+    def flush(self):
+        if self.detokenizer is not None and self.stats.finish_reason != "stop":
+            self.detokenizer.finalize()
+            if self.detokenizer.last_segment:
+                yield ("text", self.detokenizer.last_segment)

@@ -27,10 +27,32 @@ def _draft_model(target, options):
     return DraftModelDrafter(draft, options["sampling"], target.vocab_size, options.get("seed", 0))
 
 
+def _dflash(target, options):
+    from ..models.dflash import load_dflash
+    from .dflash import DFlashDrafter
+
+    if not options.get("draft_model"):
+        raise MlxSpecError("--draft dflash needs --draft-model PATH (a DFlash drafter directory)")
+    model = load_dflash(options["draft_model"], target)
+    return DFlashDrafter(target, model, options["sampling"], options.get("seed", 0))
+
+
+def _eagle(target, options):
+    from ..models.eagle3 import load_eagle3
+    from .eagle import EagleDrafter
+
+    if not options.get("draft_model"):
+        raise MlxSpecError("--draft eagle needs --draft-model PATH (an EAGLE-3 checkpoint directory)")
+    return EagleDrafter(load_eagle3(options["draft_model"], target), options["sampling"],
+                        target.vocab_size, options.get("seed", 0))
+
+
 DRAFTERS = {
     "none": _none,
     "lookup": _lookup,
     "model": _draft_model,
+    "dflash": _dflash,
+    "eagle": _eagle,
 }
 
 

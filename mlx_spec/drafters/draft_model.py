@@ -9,7 +9,7 @@ from typing import List
 
 import mlx.core as mx
 
-from ..cache import check_rollback, make_cache, rollback_to
+from ..cache import check_rollback, common_prefix_length, make_cache, rollback_to
 from ..errors import MlxSpecError
 from ..sampling import SamplingParams, probs, sample
 from .base import Draft, Drafter
@@ -52,9 +52,7 @@ class DraftModelDrafter(Drafter):
         return logits
 
     def prefill(self, context, taps, start):
-        keep = 0
-        while keep < min(len(self.cached), len(context) - 1) and self.cached[keep] == context[keep]:
-            keep += 1
+        keep = common_prefix_length(self.cached, context[:-1])
         rollback_to(self.cache, keep)
         self.cached = self.cached[:keep]
         self.context = list(context)
