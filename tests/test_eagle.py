@@ -237,11 +237,12 @@ def test_sampled_drafts_come_with_their_filtered_q(target, checkpoints, top_k):
     assert (q[np.arange(4), tokens] > 0).all()
 
 
-def test_exact_sampling(tmp_path):
+@pytest.mark.parametrize("tree_budget", [0, 6], ids=["chain", "tree"])
+def test_exact_sampling(tmp_path, tree_budget):
     target, prompt, params = eagle_target(), repeated_prompt(), SamplingParams(temp=1.0)
     path = save_eagle(random_eagle(target, seed=5, scale=2.0), tmp_path / "e", "speculators")
-    engine = Engine(target, EagleDrafter(load_eagle3(path, target), params, VOCAB, seed=5),
-                    num_draft_tokens=3, sampling=params, seed=1)
+    drafter = EagleDrafter(load_eagle3(path, target), params, VOCAB, seed=5, tree_budget=tree_budget, tree_topk=2)
+    engine = Engine(target, drafter, num_draft_tokens=3, sampling=params, seed=1)
     n_tokens, n_samples = 3, 20_000
     counts = draw(engine, prompt, n_tokens, n_samples)
     pvalue = chi_square_pvalue(counts, exact_distribution(target, prompt, n_tokens, params), n_samples)
@@ -295,3 +296,14 @@ def test_load_errors(target, tmp_path):
     (tmp_path / "empty" / "pytorch_model.bin").write_bytes(b"not to be unpickled")
     with pytest.raises(MlxSpecError, match="pickled weights only"):
         load_eagle3(tmp_path / "empty", target)
+
+
+@pytest.mark.parametrize("budget, topk, k", [(4, 2, 3), (12, 3, 4), (30, 4, 6)])
+def test_tree_greedy_is_token_identical(target, checkpoints, budget, topk, k):
+    model = load_eagle3(checkpoints["safeailab"], target)
+    drafter = EagleDrafter(model, GREEDY, target.vocab_size, tree_budget=budget, tree_topk=topk)
+    expected = plain_greedy(target.model, PROMPT, 40)
+    tokens, stats = run(Engine(target, drafter, num_draft_tokens=k), PROMPT, 40)
+    assert tokens == expected
+    assert stats.proposed <= stats.steps * budget
+

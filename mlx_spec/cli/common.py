@@ -27,6 +27,10 @@ def model_options(f):
                      help="lookup: longest n-gram matched."),
         click.option("--ngram-min", type=click.IntRange(1), default=1, show_default=True,
                      help="lookup: shortest n-gram matched."),
+        click.option("--tree-budget", type=click.IntRange(0), default=0, show_default=True,
+                     help="eagle: draft a tree of this many nodes (0: a chain of --num-draft-tokens)."),
+        click.option("--tree-topk", type=click.IntRange(1), default=8, show_default=True,
+                     help="eagle: children per expanded node; --num-draft-tokens is the tree's depth."),
         click.option("--temp", type=float, default=0.0, show_default=True, help="Sampling temperature."),
         click.option("--top-p", type=float, default=1.0, show_default=True, help="Nucleus sampling."),
         click.option("--top-k", type=int, default=0, show_default=True, help="Top-k sampling (0: off)."),
@@ -52,7 +56,7 @@ def reports_errors(f):
 
 
 def load_engine(model_path, dtype, method, draft_model, num_draft_tokens, ngram_max, ngram_min,
-                temp, top_p, top_k, min_p, seed):
+                tree_budget, tree_topk, temp, top_p, top_k, min_p, seed):
     from ..drafters import make_drafter
     from ..engine import Engine
     from ..models.target import load_target
@@ -66,7 +70,8 @@ def load_engine(model_path, dtype, method, draft_model, num_draft_tokens, ngram_
     sampling = SamplingParams(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p).check(target.vocab_size)
     drafter = make_drafter(method, target, dict(
         draft_model=draft_model, ngram_max=ngram_max, ngram_min=ngram_min,
-        num_draft_tokens=num_draft_tokens, dtype=dtype, sampling=sampling, seed=seed))
+        num_draft_tokens=num_draft_tokens, dtype=dtype, sampling=sampling, seed=seed,
+        tree_budget=tree_budget, tree_topk=tree_topk))
     return Engine(target, drafter, num_draft_tokens=num_draft_tokens, sampling=sampling, seed=seed)
 
 

@@ -44,7 +44,8 @@ def _eagle(target, options):
     if not options.get("draft_model"):
         raise MlxSpecError("--draft eagle needs --draft-model PATH (an EAGLE-3 checkpoint directory)")
     return EagleDrafter(load_eagle3(options["draft_model"], target), options["sampling"],
-                        target.vocab_size, options.get("seed", 0))
+                        target.vocab_size, options.get("seed", 0),
+                        tree_budget=options.get("tree_budget", 0), tree_topk=options.get("tree_topk", 8))
 
 
 DRAFTERS = {

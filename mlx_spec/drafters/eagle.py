@@ -14,6 +14,7 @@ from dataclasses import replace
 from typing import Dict, List
 
 import mlx.core as mx
+import numpy as np
 
 from ..cache import common_prefix_length, rollback_to
 from ..errors import MlxSpecError
@@ -22,8 +23,10 @@ from .base import Draft, Drafter
 
 
 class EagleDrafter(Drafter):
-    def __init__(self, model, sampling: SamplingParams, vocab_size: int, seed: int = 0):
+    def __init__(self, model, sampling: SamplingParams, vocab_size: int, seed: int = 0,
+                 tree_budget: int = 0, tree_topk: int = 8):
         self.model = model
+        self.tree_budget, self.tree_topk = tree_budget, tree_topk  # tree mode when budget > 0
         self.taps = model.taps
         # top-k over the whole draft vocabulary keeps it all (and mlx-lm's filter wants k < size)
         keeps_all = sampling.top_k >= model.args.draft_vocab_size
@@ -60,6 +63,8 @@ class EagleDrafter(Drafter):
         self.pending = None
         if k == 0 or self.last_hidden is None:
             return Draft()
+        if self.tree_budget:
+            return self._propose_tree(depth=k)
         hidden, drafts, qs = self.last_hidden, [], []
         for i in range(k):
             if i:  # feed the previous draft and the layer's own output, still lazy
@@ -79,8 +84,62 @@ class EagleDrafter(Drafter):
         self.pending = mx.stack(drafts).astype(mx.int32)
         return Draft(tokens=self.pending, q=mx.stack(qs) if qs else None)
 
-    def commit(self, n_accepted, next_token, taps):
-        drafts = self.pending.tolist() if self.pending is not None else []
+    def commit(self, n_accepted, next_token, taps, path=None):
+        drafts = self.pending if isinstance(self.pending, list) else (
+            self.pending.tolist() if self.pending is not None else [])
+        accepted = [drafts[i] for i in path] if path is not None else drafts[:n_accepted]
         rollback_to(self.cache, len(self.paired))  # drop the speculative entries
         # taps cover [last committed token, accepted drafts]: each pairs with the token after it.
-        self._extend(drafts[:n_accepted] + [next_token], self._fuse(taps))
+        self._extend(accepted + [next_token], self._fuse(taps))
+
+    def _propose_tree(self, depth: int) -> Draft:
+        """EAGLE-2's dynamic tree: grow `depth` levels, each time expanding the top-k frontier
+        nodes (by cumulative log-probability) into their top-k children; keep the best
+        `tree_budget` nodes. Drafts are the top-k (deterministic: q is one-hot), so the tree
+        verifier's chain rule keeps sampling exact. One small sync per level."""
+        topk, offset = min(self.tree_topk, self.model.args.draft_vocab_size), len(self.paired)
+        # pool entries: [draft-vocab id, parent pool index (-1: root), depth, score, cache slot]
+        pool, slots = [], []
+        hidden = self.last_hidden[0]                      # the hidden each frontier row continues
+        rows = [-1]                                       # pool index of each row of `hidden`
+        for level in range(1, depth + 1):
+            logp = self.model.logits(hidden)
+            logp = logp - mx.logsumexp(logp, axis=-1, keepdims=True)
+            ids = mx.argpartition(-logp, kth=topk - 1, axis=-1)[:, :topk]
+            values = mx.take_along_axis(logp, ids, axis=-1)
+            ids, values = ids.tolist(), values.tolist()
+            candidates = []
+            for r, parent in enumerate(rows):
+                base = pool[parent][3] if parent >= 0 else 0.0
+                for token, value in zip(ids[r], values[r]):
+                    pool.append([token, parent, level, base + value, None])
+                    candidates.append(len(pool) - 1)
+            if level == depth:
+                break
+            frontier = sorted(candidates, key=lambda i: -pool[i][3])[:topk]
+            # Run the layer on the frontier: each node sees the context and its ancestors.
+            mask = np.zeros((len(frontier), offset + len(slots) + len(frontier)), dtype=bool)
+            mask[:, :offset] = True
+            for r, node in enumerate(frontier):
+                ancestor = pool[node][1]
+                while ancestor >= 0:
+                    mask[r, offset + pool[ancestor][4]] = True
+                    ancestor = pool[ancestor][1]
+                mask[r, offset + len(slots) + r] = True
+            parent_rows = [rows.index(pool[node][1]) for node in frontier]
+            for node in frontier:
+                pool[node][4] = len(slots)
+                slots.append(node)
+            tokens = self.target_ids[mx.array([pool[node][0] for node in frontier])]
+            positions = mx.array([offset + level - 1] * len(frontier))
+            hidden = self.model(self.model.embed(tokens[None]), hidden[mx.array(parent_rows)][None],
+                                self.cache, positions=positions, mask=mx.array(mask))[0]
+            rows = frontier
+        # The best nodes. A child never scores above its parent (log-probabilities are <= 0) and
+        # ties go to the shallower node, so every chosen node's ancestors are chosen too.
+        chosen = sorted(range(len(pool)), key=lambda i: (-pool[i][3], pool[i][2]))[:self.tree_budget]
+        order = sorted(chosen, key=lambda i: (pool[i][2], -pool[i][3]))
+        index = {node: i + 1 for i, node in enumerate(order)}
+        tokens = self.target_ids[mx.array([pool[node][0] for node in order])].tolist()
+        self.pending = tokens
+        return Draft(tokens=tokens, parents=[index.get(pool[node][1], 0) for node in order])
