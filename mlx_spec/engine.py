@@ -18,7 +18,7 @@ from .cache import check_rollback, common_prefix_length, make_cache, rollback_to
 from .cost import StepCost
 from .drafters.base import Drafter, NoDrafter
 from .errors import MlxSpecError
-from .sampling import SamplingParams, sample
+from .sampling import SamplingParams
 from .tree import Tree, compact, tree_forward, verify_tree
 from .verify import verify_chain
 

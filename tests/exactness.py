@@ -4,7 +4,6 @@ A tiny target over a small vocabulary makes the exact distribution of the first 
 tokens enumerable; N sequences drawn through the engine with the draft source are compared with
 it by a chi-square test (cells with small expected counts pooled). Reused by every drafter."""
 
-import itertools
 from collections import Counter
 
 import mlx.core as mx

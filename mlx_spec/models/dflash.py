@@ -10,7 +10,6 @@ K/V never depend on the block, so only they are cached across rounds. There is n
 and no head here: the drafter uses the target's (head after the drafter's own `norm`).
 """
 
-import json
 from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 from typing import Any, Dict, List, Optional
@@ -23,6 +22,7 @@ from mlx_lm.models.qwen3 import MLP
 from mlx_lm.models.rope_utils import initialize_rope
 
 from ..errors import MlxSpecError
+from .checkpoint import check_not_pickled, one_line, read_config, read_weights
 
 ARCHITECTURE = "DFlashDraftModel"
 
@@ -169,16 +169,7 @@ class DFlashModel(nn.Module):
 
 
 def _read_config(path: Path) -> dict:
-    if not path.is_dir():
-        raise MlxSpecError(f"DFlash drafter not found: {path} is not a directory")
-    if not (path / "config.json").is_file():
-        raise MlxSpecError(f"not a DFlash drafter: {path} has no config.json")
-    try:
-        config = json.loads((path / "config.json").read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise MlxSpecError(f"corrupt config.json in {path}: {e}") from None
-    if not isinstance(config, dict):
-        raise MlxSpecError(f"corrupt config.json in {path}: not a JSON object")
+    config = read_config(path, "DFlash drafter")
     if ARCHITECTURE not in (config.get("architectures") or []):
         raise MlxSpecError(f"not a DFlash drafter: {path}/config.json has architectures "
                            f"{config.get('architectures')}, expected [\"{ARCHITECTURE}\"]")
@@ -212,22 +203,14 @@ def load_dflash(path, target) -> DFlashModel:
     args = ModelArgs.from_dict(_read_config(path))
     if args.target_layer_ids is None:
         args.target_layer_ids = spread_layer_ids(target.num_layers, args.num_hidden_layers)
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        if any(f.suffix in (".bin", ".pt", ".pth") for f in path.iterdir()):
-            raise MlxSpecError(f"{path} holds pickled weights only; mlx-spec loads safetensors, "
-                               "never pickles (convert them with a tool you trust first)")
-        raise MlxSpecError(f"no *.safetensors weights in {path}")
+    check_not_pickled(path)
     _check(args, target)
+    weights = read_weights(path)
     model = DFlashModel(args)
     try:
-        weights = {}
-        for f in files:
-            weights.update(mx.load(str(f)))
         model.load_weights(list(model.sanitize(weights).items()), strict=True)
-    except Exception as e:  # mlx raises several types for bad files; keep it to one line
-        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise MlxSpecError(f"cannot load DFlash drafter {path}: {msg}") from None
+    except Exception as e:  # mlx raises several types for mismatched weights
+        raise MlxSpecError(f"cannot load DFlash drafter {path}: {one_line(e)}") from None
     # Compute in the dtype of the target's hidden states (bf16 checkpoints on an fp32 CPU target).
     model.set_dtype(target.embed(mx.array([0])).dtype)
     mx.eval(model.parameters())

@@ -12,7 +12,6 @@ LlamaConfig's defaults) and adds `norm_before_residual` and `eagle_aux_hidden_st
 Both ids conventions name the INPUT of a target layer: tap = id - 1 here (DESIGN.md).
 """
 
-import json
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Callable, List, Optional
@@ -26,6 +25,7 @@ from mlx_lm.models.llama import MLP
 from mlx_lm.models.rope_utils import initialize_rope
 
 from ..errors import MlxSpecError
+from .checkpoint import one_line, read_config, read_weights
 
 
 @dataclass
@@ -206,27 +206,6 @@ class Model(nn.Module):
         return out
 
 
-def _one_line(e: Exception) -> str:
-    return str(e).splitlines()[0] if str(e) else type(e).__name__
-
-
-def _read_weights(path: Path) -> dict:
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        if any(f.suffix in (".bin", ".pt", ".pth") for f in path.iterdir()):
-            raise MlxSpecError(
-                f"{path} holds pickled weights only; mlx-spec loads safetensors, never pickles "
-                "(convert them with a tool you trust first)")
-        raise MlxSpecError(f"no *.safetensors weights in {path}")
-    weights = {}
-    for f in files:
-        try:
-            weights.update(mx.load(str(f)))
-        except Exception as e:
-            raise MlxSpecError(f"cannot read {f}: {_one_line(e)}") from None
-    return weights
-
-
 def _check_against_target(args: ModelArgs, weights: dict, target, path: Path) -> None:
     n = target.num_layers
     if args.num_hidden_layers != 1:
@@ -269,17 +248,13 @@ def load_eagle3(path, target) -> Model:
     """Load an EAGLE-3 checkpoint directory (either layout) for `target`, in the target's
     activation dtype. Every mismatch with the target is a one-line MlxSpecError."""
     path = Path(path)
-    if not path.is_dir():
-        raise MlxSpecError(f"EAGLE-3 drafter not found: {path} is not a directory")
-    if not (path / "config.json").is_file():
-        raise MlxSpecError(f"not an EAGLE-3 checkpoint: {path} has no config.json")
+    config = read_config(path, "EAGLE-3 drafter")
     try:
-        config = json.loads((path / "config.json").read_text())
         args = ModelArgs.from_config(config)
-    except (OSError, json.JSONDecodeError, TypeError, AttributeError) as e:
-        raise MlxSpecError(f"corrupt config.json in {path}: {_one_line(e)}") from None
+    except (TypeError, AttributeError) as e:
+        raise MlxSpecError(f"corrupt config.json in {path}: {one_line(e)}") from None
     args.aux_layer_ids = args.aux_layer_ids or default_layer_ids(target.num_layers)
-    raw = _read_weights(path)
+    raw = read_weights(path)
     args.fc_bias = "fc.bias" in raw
     args.has_embedding = "embed_tokens.weight" in raw
     model = Model(args, target_embed=target.embed)
@@ -288,7 +263,7 @@ def load_eagle3(path, target) -> Model:
     try:
         model.load_weights(list(weights.items()), strict=True)
     except ValueError as e:
-        raise MlxSpecError(f"cannot load EAGLE-3 weights from {path}: {_one_line(e)}") from None
+        raise MlxSpecError(f"cannot load EAGLE-3 weights from {path}: {one_line(e)}") from None
     model.set_dtype(target.embed(mx.array([0])).dtype)  # the target's activations
     mx.eval(model.parameters())
     return model

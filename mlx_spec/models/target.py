@@ -4,7 +4,6 @@ Tap convention (DESIGN.md): taps[i] is the OUTPUT of decoder layer i; taps[-1] i
 embedding output (the input of layer 0).
 """
 
-import json
 from pathlib import Path
 from typing import Dict, Iterable, Optional
 
@@ -12,6 +11,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..errors import MlxSpecError
+from .checkpoint import check_not_pickled, one_line, read_config
 
 DTYPES = ("auto", "float32", "float16", "bfloat16", "keep")
 
@@ -137,25 +137,13 @@ def load_target(path, dtype: str = "auto") -> Target:
     from mlx_lm.utils import load_model, load_tokenizer
 
     path = Path(path)
-    if not path.is_dir():
-        raise MlxSpecError(f"model not found: {path} is not a directory")
-    if not (path / "config.json").is_file():
-        raise MlxSpecError(f"not a model directory: {path} has no config.json")
-    if list(path.glob("*.bin")) or list(path.glob("*.pt")) or list(path.glob("*.pth")):
-        if not list(path.glob("*.safetensors")):
-            raise MlxSpecError(
-                f"{path} holds pickled weights only; mlx-spec loads safetensors and GGUF, never "
-                "pickles (convert them with a tool you trust first)")
-    try:
-        config = json.loads((path / "config.json").read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise MlxSpecError(f"corrupt config.json in {path}: {e}") from None
+    read_config(path, "model")
+    check_not_pickled(path)
     try:
         model, config = load_model(path, lazy=True)
         tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
     except Exception as e:  # mlx-lm raises many types for bad files; keep it to one line
-        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise MlxSpecError(f"cannot load model {path}: {msg}") from None
+        raise MlxSpecError(f"cannot load model {path}: {one_line(e)}") from None
     used = apply_dtype(model, dtype)
     mx.eval(model.parameters())
     return Target(model, tokenizer, config, path=str(path), dtype=used)
