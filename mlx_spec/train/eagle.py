@@ -1,0 +1,253 @@
+"""Training an EAGLE-3 draft layer against a frozen target.
+
+What is trained: fc (the fused low/middle/high target features -> H), the decoder layer, the
+final norm and the head over a reduced draft vocabulary. What is not: the target, whose
+embedding the layer shares. The draft vocabulary is the `draft_vocab_size` target ids most
+frequent in the responses of the training data; d2t[i] = target_id - i.
+
+Training-time test (EAGLE-3): a sequence x_0..x_{T-1} with target features F_0..F_{T-1} gives
+rows t = 0..T-2. Step 0 pairs token x_{t+1} with fc(F_t) (causal over the rows) and predicts
+x_{t+2}; step j feeds, at row t, token x_{t+1+j} and the layer's own output of step j-1 at the
+same row, at position t+j, and predicts x_{t+2+j}. Its attention sees the step-0 entries of
+rows 0..t and its own chain's entries of steps 1..j: exactly the cache a chain of drafts
+rooted at row t sees at inference (models/eagle3.py, drafters/eagle.py). The labels are the
+data's tokens (the target's own greedy output); rows whose label lies in the prompt or
+outside the draft vocabulary are masked. Step j's loss is weighted ttt_decay**j.
+
+The result is written in SafeAILab's layout (config.json + model.safetensors with midlayer.*,
+fc, norm, lm_head, d2t, t2d), which load_eagle3, vLLM and SafeAILab's EAGLE read."""
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable, List, Optional, Sequence
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx.utils import tree_flatten
+
+from ..errors import MlxSpecError
+from ..models.eagle3 import Model, ModelArgs, default_layer_ids
+from .loop import (FeatureStore, LoopOptions, TrainResult, batch_indices, cast_for_saving,
+                   layer_config, load_sequences, resume_step, run_loop, used_indices)
+
+
+@dataclass
+class EagleOptions:
+    steps: int = 2000
+    batch_size: int = 4
+    lr: float = 3e-4
+    warmup: int = 50
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    ttt_steps: int = 7              # EAGLE-3's training-time test length
+    ttt_decay: float = 0.8          # weight of step j's loss: ttt_decay ** j
+    draft_vocab_size: int = 8192
+    max_length: int = 1024          # tokens per sequence (prompt + response)
+    save_every: int = 200
+    seed: int = 0
+    save_dtype: str = "float32"
+    layer_ids: Optional[List[int]] = None   # EAGLE's convention (layer inputs); None: 2, N//2, N-3
+
+
+# --- the model --------------------------------------------------------------------------------
+
+def draft_vocabulary(sequences, vocab_size: int, draft_vocab_size: int) -> np.ndarray:
+    """The `draft_vocab_size` target ids most frequent in the responses (ties: lower id first),
+    sorted ascending."""
+    counts = np.zeros(vocab_size, np.int64)
+    for seq in sequences:
+        np.add.at(counts, np.array(seq.tokens[seq.prompt_length:], np.int64), 1)
+    order = np.lexsort((np.arange(vocab_size), -counts))
+    return np.sort(order[:min(draft_vocab_size, vocab_size)])
+
+
+def new_eagle_model(target, draft_ids: np.ndarray, layer_ids: Optional[Sequence[int]] = None) -> Model:
+    """A freshly initialized EAGLE-3 layer shaped like one of the target's layers (MLX's own
+    initializers: seed with mx.random.seed first), d2t from `draft_ids`."""
+    n = target.num_layers
+    layer_ids = list(layer_ids) if layer_ids else default_layer_ids(n)
+    bad = [i for i in layer_ids if not 0 <= i <= n]
+    if bad:
+        raise MlxSpecError(f"EAGLE-3 fuses the inputs of target layers {layer_ids}, but layer ids "
+                           f"must lie in 0..{n} for this {n}-layer target (a target needs at least "
+                           "3 layers for the default ids 2, N//2, N-3)")
+    args = ModelArgs(hidden_size=target.hidden_size, vocab_size=target.vocab_size,
+                     draft_vocab_size=len(draft_ids), aux_layer_ids=layer_ids, **layer_config(target))
+    model = Model(args, target_embed=target.embed)
+    model.d2t = mx.array(np.asarray(draft_ids) - np.arange(len(draft_ids)), mx.int32)
+    model.freeze(keys=["d2t"], recurse=False)    # a mapping, not a weight
+    mx.eval(model.parameters())
+    return model
+
+
+def target_to_draft(model: Model) -> np.ndarray:
+    """[target vocab] -> draft id, or -1 outside the draft vocabulary."""
+    ids = np.arange(model.args.draft_vocab_size) + np.array(model.d2t)
+    out = np.full(model.args.vocab_size, -1, np.int64)
+    out[ids] = np.arange(len(ids))
+    return out
+
+
+# --- training-time test ------------------------------------------------------------------------
+
+def _chain_attention(q, keys, values, scale):
+    """q [b, heads, n, d]. Row t attends to rows 0..t of keys[0] (the step-0 entries: real
+    pairs, causal) and to row t of keys[1:] (its own chain's later steps, itself included)."""
+    if len(keys) == 1:
+        return mx.fast.scaled_dot_product_attention(q, keys[0], values[0], scale=scale, mask="causal")
+    b, h, n, d = q.shape
+    kv_heads = keys[0].shape[1]
+    q = (q * scale).reshape(b, kv_heads, h // kv_heads, n, d)
+    scores = q @ keys[0][:, :, None].swapaxes(-1, -2)                  # [b, kv, rep, n, n]
+    causal = mx.arange(n)[:, None] >= mx.arange(n)[None]
+    scores = mx.where(causal, scores, mx.array(-mx.inf, scores.dtype))
+    own = [(q * k[:, :, None]).sum(-1, keepdims=True) for k in keys[1:]]   # [b, kv, rep, n, 1]
+    probs = mx.softmax(mx.concatenate([scores] + own, axis=-1), axis=-1, precise=True)
+    out = probs[..., :n] @ values[0][:, :, None]
+    for i, v in enumerate(values[1:]):
+        out = out + probs[..., n + i:n + i + 1] * v[:, :, None]
+    return out.reshape(b, h, n, d)
+
+
+def ttt_forward(model: Model, embeds: mx.array, fused: mx.array, steps: int) -> List[mx.array]:
+    """The layer's pre-norm outputs [b, n, H] of `steps` training-time-test steps.
+
+    embeds [b, n + steps - 1, H]: the target's embeddings of x_1, x_2, ... (row t of step j
+    reads embeds[:, t + j]); fused [b, n, H]: fc of the target features F_0..F_{n-1}. Composes
+    the model's own modules (models/eagle3.py DecoderLayer) with the chain mask above."""
+    layer = model.midlayer
+    attn = layer.self_attn
+    b, n, _ = fused.shape
+    hidden, outputs, keys, values = fused, [], [], []
+    for j in range(steps):
+        normed = layer.hidden_norm(hidden)
+        residual = normed if layer.norm_before_residual else hidden
+        x = mx.concatenate([layer.input_layernorm(embeds[:, j:j + n]), normed], axis=-1)
+        q = attn.q_proj(x).reshape(b, n, attn.n_heads, -1).transpose(0, 2, 1, 3)
+        k = attn.k_proj(x).reshape(b, n, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        v = attn.v_proj(x).reshape(b, n, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        keys.append(attn.rope(k, offset=j))             # row t of step j sits at position t + j
+        values.append(v)
+        out = _chain_attention(attn.rope(q, offset=j), keys, values, attn.scale)
+        h = residual + attn.o_proj(out.transpose(0, 2, 1, 3).reshape(b, n, -1))
+        hidden = h + layer.mlp(layer.post_attention_layernorm(h))
+        outputs.append(hidden)
+    return outputs
+
+
+def eagle_loss(model: Model, embeds, features, labels, weights, step_weights):
+    """labels, weights [steps, b, n] (draft ids; 0/1 masks) -> (weighted mean cross-entropy,
+    {"accuracy": step-0 top-1 accuracy})."""
+    outputs = ttt_forward(model, embeds, model.fuse(features), labels.shape[0])
+    total, accuracy = 0.0, None
+    for j, hidden in enumerate(outputs):
+        logits = model.logits(hidden)
+        ce = nn.losses.cross_entropy(logits, labels[j], reduction="none")
+        count = mx.maximum(weights[j].sum(), 1)
+        total = total + step_weights[j] * (ce * weights[j]).sum() / count
+        if j == 0:
+            accuracy = ((mx.argmax(logits, axis=-1) == labels[0]) * weights[0]).sum() / count
+    return total / sum(step_weights), {"accuracy": accuracy}
+
+
+def make_eagle_batch(target, model: Model, store: FeatureStore, sequences, steps: int,
+                     to_draft: np.ndarray):
+    """(embeds, features, labels, weights) for the sequences, right-padded; see the module doc."""
+    b = len(sequences)
+    n = max(len(s.tokens) for s in sequences) - 1
+    tokens = np.zeros((b, n + steps + 1), np.int64)
+    features = []
+    labels = np.zeros((steps, b, n), np.int64)
+    weights = np.zeros((steps, b, n), np.float32)
+    rows = np.arange(n)
+    for i, seq in enumerate(sequences):
+        T = len(seq.tokens)
+        tokens[i, :T] = seq.tokens
+        f = store.get(seq)[:T - 1]
+        features.append(mx.pad(f, [(0, n - (T - 1)), (0, 0)]) if T - 1 < n else f)
+        for j in range(steps):
+            where = rows + 2 + j                         # the label's position in the sequence
+            ids = to_draft[tokens[i, np.minimum(where, T - 1)]]
+            valid = (where <= T - 1) & (where >= seq.prompt_length) & (ids >= 0)
+            labels[j, i] = np.where(valid, ids, 0)
+            weights[j, i] = valid
+    embeds = target.embed(mx.array(tokens[:, 1:n + steps]))
+    return (embeds.astype(mx.float32), mx.stack(features), mx.array(labels), mx.array(weights))
+
+
+# --- the published checkpoint -------------------------------------------------------------------
+
+def save_eagle3(model: Model, path, dtype: str = "float32") -> Path:
+    """SafeAILab's layout: a Llama config with one layer and draft_vocab_size, and
+    model.safetensors with midlayer.*, fc, norm, lm_head, d2t (int64) and t2d (bool)."""
+    args, path = model.args, Path(path)
+    weights = dict(tree_flatten(model.parameters()))
+    d2t = np.array(weights.pop("d2t")).astype(np.int64)
+    t2d = np.zeros(args.vocab_size, bool)
+    t2d[np.arange(len(d2t)) + d2t] = True
+    weights = cast_for_saving(weights, dtype)
+    weights["d2t"], weights["t2d"] = mx.array(d2t), mx.array(t2d)
+    config = {
+        "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_act": "silu",
+        "hidden_size": args.hidden_size, "intermediate_size": args.intermediate_size,
+        "num_hidden_layers": 1, "num_attention_heads": args.num_attention_heads,
+        "num_key_value_heads": args.num_key_value_heads, "head_dim": args.head_dim,
+        "rms_norm_eps": args.rms_norm_eps, "rope_theta": args.rope_theta,
+        "max_position_embeddings": args.max_position_embeddings,
+        "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False,
+        "vocab_size": args.vocab_size, "draft_vocab_size": args.draft_vocab_size,
+        "eagle_aux_hidden_state_layer_ids": list(args.aux_layer_ids), "torch_dtype": dtype}
+    if args.rope_scaling:
+        config["rope_scaling"] = args.rope_scaling
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "pt"})
+    return path
+
+
+# --- the run -------------------------------------------------------------------------------------
+
+def train_eagle(target, data_dir, out_dir, options: Optional[EagleOptions] = None, resume: bool = False,
+                feature_dir="default", progress: Optional[Callable[[dict], None]] = None,
+                feature_progress: Optional[Callable[[int], None]] = None) -> TrainResult:
+    """Train an EAGLE-3 layer for `target` on `mlx-spec train data` output; write it to out_dir
+    (SafeAILab layout) with training checkpoints in out_dir/checkpoint.
+
+    feature_dir: where the target's features are cached ("default": out_dir/features; None:
+    in memory). progress(record) runs after each step; feature_progress(n) while features are
+    computed."""
+    o = options or EagleOptions()
+    if o.ttt_steps < 1 or o.batch_size < 1 or o.steps < 1 or o.draft_vocab_size < 1:
+        raise MlxSpecError("--steps, --batch-size, --ttt-steps and --draft-vocab-size must be >= 1")
+    out_dir = Path(out_dir)
+    sequences = load_sequences(data_dir, o.max_length)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    mx.random.seed(o.seed)
+    model = new_eagle_model(target, draft_vocabulary(sequences, target.vocab_size, o.draft_vocab_size),
+                            o.layer_ids)
+    store = FeatureStore(target, model.taps, out_dir / "features" if feature_dir == "default" else feature_dir)
+    start = resume_step(out_dir, resume)
+    store.prepare([sequences[i] for i in used_indices(len(sequences), o.batch_size, start, o.steps, o.seed)],
+                  feature_progress)
+    step_weights = [o.ttt_decay ** j for j in range(o.ttt_steps)]
+    to_draft = None
+
+    def make_batch(step):
+        nonlocal to_draft
+        if to_draft is None:          # after a resume, d2t is the checkpoint's
+            to_draft = target_to_draft(model)
+        batch = [sequences[i] for i in batch_indices(len(sequences), o.batch_size, step, o.seed)]
+        embeds, features, labels, weights = make_eagle_batch(target, model, store, batch, o.ttt_steps, to_draft)
+        return (embeds, features, labels, weights, step_weights), sum(len(s.tokens) for s in batch)
+
+    architecture = {"hidden_size": target.hidden_size, "target_layers": target.num_layers,
+                    "vocab_size": target.vocab_size, "draft_vocab_size": model.args.draft_vocab_size,
+                    "layer_ids": list(model.args.aux_layer_ids)}
+    loop = LoopOptions(steps=o.steps, lr=o.lr, warmup=o.warmup, weight_decay=o.weight_decay,
+                       grad_clip=o.grad_clip, save_every=o.save_every, seed=o.seed)
+    result = run_loop("eagle", model, eagle_loss, make_batch, loop, out_dir, architecture,
+                      {"eagle": asdict(o)}, resume, progress)
+    result.path = save_eagle3(model, out_dir, o.save_dtype)
+    return result

@@ -1,0 +1,265 @@
+"""Drafter training: the training-time graphs equal the inference graphs, a few steps lower the
+loss, checkpoints load through the public loaders and draft losslessly, resume is exact."""
+
+import json
+import mlx.core as mx
+import numpy as np
+import pytest
+from tiny import plain_greedy, run, tiny_chat_model_dir, tiny_target
+
+from mlx_spec.drafters.dflash import DFlashDrafter
+from mlx_spec.drafters.eagle import EagleDrafter
+from mlx_spec.engine import Engine
+from mlx_spec.errors import MlxSpecError
+from mlx_spec.models.dflash import DFlashModel, ModelArgs as DFlashArgs, load_dflash
+from mlx_spec.models.eagle3 import load_eagle3
+from mlx_spec.sampling import SamplingParams
+from mlx_spec.train.dflash import (DFlashOptions, block_mask, block_sparse_forward, new_dflash_model,
+                                   position_weights, sample_anchors, train_dflash)
+from mlx_spec.train.eagle import (EagleOptions, draft_vocabulary, new_eagle_model, train_eagle,
+                                  ttt_forward)
+from mlx_spec.train.loop import TrainSequence, batch_indices
+
+VOCAB = 48
+GREEDY = SamplingParams()
+
+
+@pytest.fixture(scope="module")
+def target():
+    # Four layers: EAGLE-3's default fused layers (inputs of 2, N//2, N-3) are distinct taps.
+    return tiny_target("llama", vocab_size=VOCAB, seed=3, scale=3.0, num_layers=4, hidden_size=32)
+
+
+@pytest.fixture(scope="module")
+def data(target, tmp_path_factory):
+    """The target's own greedy answers to short random prompts, as `train data` writes them."""
+    rng = np.random.default_rng(0)
+    path = tmp_path_factory.mktemp("data")
+    rows = []
+    for i in range(8):
+        prompt = [int(t) for t in rng.integers(1, VOCAB, size=int(rng.integers(4, 9)))]
+        rows.append({"id": f"p{i}", "prompt_tokens": prompt, "response_tokens": plain_greedy(target.model, prompt, 24)})
+    (path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+# --- pieces ---------------------------------------------------------------------------------------
+
+def test_block_mask_is_block_sparse():
+    # Blocks of 3 at anchors 2 and 4 over 5 context positions: context < anchor, own block only.
+    mask = block_mask([2, 4], 3, 5)
+    ctx_a, ctx_b = [1, 1, 0, 0, 0], [1, 1, 1, 1, 0]
+    own_a, own_b = [1, 1, 1, 0, 0, 0], [0, 0, 0, 1, 1, 1]
+    expected = np.array([ctx_a + own_a] * 3 + [ctx_b + own_b] * 3, bool)
+    assert mask.dtype == bool and (mask == expected).all()
+    # a sliding window of 3 also hides context keys 3 or more positions before the query
+    windowed = block_mask([4], 2, 5, window=3)
+    assert (windowed == np.array([[0, 0, 1, 1, 0, 1, 1], [0, 0, 0, 1, 0, 1, 1]], bool)).all()
+
+
+def test_early_positions_weigh_more():
+    w = position_weights(5, decay=2.0)
+    assert np.allclose(w, [0, 1, np.exp(-0.5), np.exp(-1.0), np.exp(-1.5)])
+    assert (np.diff(w[1:]) < 0).all()
+
+
+def test_anchors_start_at_the_last_prompt_token():
+    rng = np.random.default_rng(0)
+    assert sample_anchors(rng, 5, 9, 10).tolist() == [4, 5, 6, 7]      # all: 4 candidates
+    a = sample_anchors(rng, 5, 40, 6)
+    assert len(set(a.tolist())) == 6 and a.min() >= 4 and a.max() <= 38 and (np.diff(a) > 0).all()
+
+
+def test_draft_vocabulary_takes_the_most_frequent_response_tokens():
+    seqs = [TrainSequence(0, [9, 9, 9, 5, 5, 7, 5, 3], 3), TrainSequence(1, [1, 7, 2], 1)]
+    # responses: 5 5 7 5 3 / 7 2 -> 5 (x3), 7 (x2), then ties by id: 2, 3
+    assert draft_vocabulary(seqs, 12, 3).tolist() == [2, 5, 7]
+    assert draft_vocabulary(seqs, 12, 12).tolist() == list(range(12))
+
+
+def test_batches_depend_only_on_seed_and_step():
+    steps = [batch_indices(5, 2, s, seed=1) for s in range(5)]
+    assert sorted(steps[0] + steps[1] + steps[2][:1]) == [0, 1, 2, 3, 4]   # an epoch: a permutation
+    assert batch_indices(5, 2, 3, seed=1) == steps[3] != batch_indices(5, 2, 3, seed=2)
+
+
+def test_training_time_test_equals_chained_drafting(target):
+    """Step j at row t of the TTT graph = the j-th own step of a chain rooted at row t."""
+    mx.random.seed(1)
+    model = new_eagle_model(target, np.arange(20))
+    n, steps = 9, 4
+    tokens = mx.array(np.random.default_rng(1).integers(0, VOCAB, size=(1, n + steps)))
+    embeds = target.embed(tokens[:, 1:])                       # x_1 ..
+    fused = model.fuse(mx.random.normal((1, n, 3 * 32)))
+    outputs = ttt_forward(model, embeds, fused, steps)
+    for t in (0, 3, n - 1):
+        cache = model.make_cache()
+        hidden = model(embeds[:, :t + 1], fused[:, :t + 1], cache)[:, -1:]
+        assert mx.allclose(hidden[0, 0], outputs[0][0, t], atol=1e-4)
+        for j in range(1, steps):
+            hidden = model(embeds[:, t + j:t + j + 1], hidden, cache)
+            assert mx.allclose(hidden[0, 0], outputs[j][0, t], atol=1e-4), (t, j)
+
+
+def test_block_sparse_pass_equals_one_block_at_a_time(target):
+    """All blocks in one forward = each block drafted alone over the context before its anchor
+    (the inference path of models/dflash.py), sliding-window layers included."""
+    args = DFlashArgs(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      intermediate_size=64, mask_token_id=0, block_size=4, target_layer_ids=[0, 2],
+                      layer_types=["full_attention", "sliding_attention"], sliding_window=5)
+    mx.random.seed(2)
+    model = DFlashModel(args)
+    L, anchors = 12, [0, 3, 4, 11]
+    features = mx.random.normal((1, L, 64))
+    blocks = mx.random.normal((1, 4 * len(anchors), 32))
+    masks = [mx.array(block_mask(anchors, 4, L, layer.self_attn.sliding_window))[None, None]
+             for layer in model.layers]
+    hidden = block_sparse_forward(model, features, blocks, mx.array([anchors]), masks)
+    for j, a in enumerate(anchors):
+        cache = model.make_cache()
+        if a:
+            model.append_context(features[:, :a], cache)
+        alone = model(blocks[:, 4 * j:4 * j + 4], cache)
+        assert mx.allclose(alone, hidden[:, 4 * j:4 * j + 4], atol=1e-4), a
+
+
+# --- training -------------------------------------------------------------------------------------
+
+def first_and_last(losses, k=3):
+    return float(np.mean(losses[:k])), float(np.mean(losses[-k:]))
+
+
+def test_eagle_training_lowers_the_loss_and_drafts_losslessly(target, data, tmp_path):
+    options = EagleOptions(steps=30, batch_size=4, lr=3e-3, warmup=0, ttt_steps=3, draft_vocab_size=24,
+                           save_every=0, save_dtype="float16")
+    result = train_eagle(target, data, tmp_path / "eagle", options, feature_dir=None)
+    first, last = first_and_last(result.losses)
+    assert result.step == 30 and last < 0.6 * first, result.losses
+    config = json.loads((tmp_path / "eagle" / "config.json").read_text())
+    assert config["draft_vocab_size"] == 24 and config["num_hidden_layers"] == 1
+    weights = mx.load(str(tmp_path / "eagle" / "model.safetensors"))
+    assert weights["fc.weight"].dtype == mx.float16 and weights["d2t"].dtype == mx.int64
+    assert weights["t2d"].dtype == mx.bool_ and int(weights["t2d"].sum()) == 24
+    assert any(k.startswith("midlayer.self_attn.") for k in weights) and "lm_head.weight" in weights
+
+    model = load_eagle3(tmp_path / "eagle", target)
+    prompt = json.loads((data / "train.jsonl").read_text().splitlines()[0])["prompt_tokens"]
+    engine = Engine(target, EagleDrafter(model, GREEDY, VOCAB), num_draft_tokens=4)
+    tokens, stats = run(engine, prompt, 24)
+    assert tokens == plain_greedy(target.model, prompt, 24)
+    assert stats.accepted > 0          # it learned something of the target's answers
+
+
+def test_dflash_training_lowers_the_loss_and_drafts_losslessly(target, data, tmp_path):
+    options = DFlashOptions(steps=60, batch_size=2, lr=3e-3, warmup=0, layers=2, block_size=4,
+                            target_layers=[0, 2], blocks_per_sequence=8, save_every=0)
+    result = train_dflash(target, data, tmp_path / "dflash", options, feature_dir=tmp_path / "features")
+    first, last = first_and_last(result.losses)
+    assert result.step == 60 and last < 0.6 * first, result.losses
+    config = json.loads((tmp_path / "dflash" / "config.json").read_text())
+    assert config["architectures"] == ["DFlashDraftModel"] and config["block_size"] == 4
+    assert config["dflash_config"] == {"mask_token_id": VOCAB - 1, "target_layer_ids": [0, 2]}
+    assert (tmp_path / "features" / "taps_0_2").is_dir()
+
+    model = load_dflash(tmp_path / "dflash", target)
+    prompt = json.loads((data / "train.jsonl").read_text().splitlines()[1])["prompt_tokens"]
+    engine = Engine(target, DFlashDrafter(target, model, GREEDY), num_draft_tokens=3)
+    tokens, stats = run(engine, prompt, 24)
+    assert tokens == plain_greedy(target.model, prompt, 24)
+    assert stats.accepted > 0
+
+
+@pytest.mark.parametrize("kind", ["eagle", "dflash"])
+def test_resume_continues_as_an_uninterrupted_run(target, data, tmp_path, kind):
+    if kind == "eagle":
+        train, make = train_eagle, lambda steps, every: EagleOptions(
+            steps=steps, batch_size=3, lr=3e-3, warmup=2, ttt_steps=2, draft_vocab_size=20, save_every=every)
+    else:
+        train, make = train_dflash, lambda steps, every: DFlashOptions(
+            steps=steps, batch_size=3, lr=3e-3, warmup=2, layers=1, block_size=4, blocks_per_sequence=4,
+            save_every=every)
+    straight = train(target, data, tmp_path / "straight", make(6, 0), feature_dir=None)
+    losses = []
+
+    def interrupt_at_step_5(record):
+        if record["step"] == 5:
+            raise KeyboardInterrupt
+        losses.append(record["loss"])
+
+    with pytest.raises(KeyboardInterrupt):   # checkpoints every 2 steps: step 5 is lost
+        train(target, data, tmp_path / "split", make(6, 2), feature_dir=None, progress=interrupt_at_step_5)
+    with pytest.raises(MlxSpecError, match="--resume"):
+        train(target, data, tmp_path / "split", make(6, 2), feature_dir=None)
+    state = json.loads((tmp_path / "split" / "checkpoint" / "state.json").read_text())
+    assert state["step"] == 4
+    resumed = train(target, data, tmp_path / "split", make(6, 2), resume=True, feature_dir=None)
+    assert resumed.step == 6 and len(resumed.losses) == 2
+    assert np.allclose(losses[:4] + resumed.losses, straight.losses, rtol=1e-5)
+    a = mx.load(str(tmp_path / "straight" / "model.safetensors"))
+    b = mx.load(str(tmp_path / "split" / "model.safetensors"))
+    assert a.keys() == b.keys() and all(mx.allclose(a[k], b[k], atol=1e-6) for k in a)
+
+
+def test_resume_refuses_another_architecture(target, data, tmp_path):
+    options = DFlashOptions(steps=1, layers=1, block_size=4, blocks_per_sequence=2, save_every=0)
+    train_dflash(target, data, tmp_path / "d", options, feature_dir=None)
+    options.steps, options.block_size = 2, 8
+    with pytest.raises(MlxSpecError, match="block_size=4"):
+        train_dflash(target, data, tmp_path / "d", options, resume=True, feature_dir=None)
+
+
+def test_bad_input_is_one_line(target, tmp_path):
+    with pytest.raises(MlxSpecError, match="outside this target's layers -1..3"):
+        new_dflash_model(target, 2, 16, [0, 4])
+    with pytest.raises(MlxSpecError, match="mask token id 48 is outside"):
+        new_dflash_model(target, 2, 16, None, mask_token_id=VOCAB)
+    shallow = tiny_target("llama", vocab_size=VOCAB, num_layers=2, hidden_size=32)
+    with pytest.raises(MlxSpecError, match="must lie in 0..2"):
+        new_eagle_model(shallow, np.arange(10))
+
+    with pytest.raises(MlxSpecError, match="not a directory"):
+        train_eagle(target, tmp_path / "absent", tmp_path / "out")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(MlxSpecError, match="no training data"):
+        train_dflash(target, tmp_path / "empty", tmp_path / "out")
+    (tmp_path / "empty" / "train.jsonl").write_text(json.dumps({"prompt_tokens": [1], "response_tokens": []}) + "\n")
+    with pytest.raises(MlxSpecError, match="no usable training rows"):
+        train_eagle(target, tmp_path / "empty", tmp_path / "out")
+
+
+# --- the command line -----------------------------------------------------------------------------
+
+def cli(*args):
+    """`mlx-spec train ...` in this process (exit code, stderr)."""
+    from click.testing import CliRunner
+
+    from mlx_spec.cli import main
+
+    result = CliRunner().invoke(main, ["train", *args])
+    return result.exit_code, result.stderr
+
+
+def test_cli_trains_both_and_reports_bad_input_in_one_line(tmp_path):
+    model = tiny_chat_model_dir(tmp_path / "model")
+    data = tmp_path / "data"
+    data.mkdir()
+    rng = np.random.default_rng(0)
+    rows = [{"id": str(i), "prompt_tokens": [1] + rng.integers(3, 400, 6).tolist(),
+             "response_tokens": rng.integers(3, 400, 12).tolist() + [2]} for i in range(3)]
+    (data / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    common = ["--target", str(model), "--data", str(data), "--steps", "2", "--warmup", "0"]
+    code, err = cli("eagle", *common, "--out", str(tmp_path / "e"), "--ttt-steps", "2",
+                    "--draft-vocab-size", "64", "--layer-ids", "0,1,2")
+    assert code == 0, err
+    assert "2 steps, last loss" in err and "loss" in err
+    code, err = cli("dflash", *common, "--out", str(tmp_path / "d"), "--layers", "1", "--block-size", "4",
+                    "--target-layers", "0,1")
+    assert code == 0, err
+    config = json.loads((tmp_path / "d" / "config.json").read_text())
+    assert config["dflash_config"]["target_layer_ids"] == [0, 1]
+    assert config["dflash_config"]["mask_token_id"] == 0        # SmolLM2's unk: <|endoftext|>
+
+    code, err = cli("dflash", *common, "--out", str(tmp_path / "d"))
+    assert code == 1 and err.count("\n") == 1 and "pass --resume" in err, err
+    code, err = cli("eagle", "--target", str(model), "--data", str(tmp_path / "nowhere"), "--out", str(tmp_path / "x"))
+    assert code == 1 and err.strip() == f"Error: training data not found: {tmp_path / 'nowhere'} is not a directory"
