@@ -1,4 +1,5 @@
-"""Cost of one EAGLE-3 draft step relative to one decode step of the default model (float32).
+"""Cost of one EAGLE-3 draft step, and of a tree verification (budget 16, 32, 64), relative to
+one decode step of the default model (float32).
 
 A random EAGLE-3 layer at the default model's width drafts from a context of --context tokens
 (its KV cache filled to that length, like the target's). Reported: medians over --runs
@@ -22,6 +23,7 @@ from mlx_spec.models.default import default_model_path
 from mlx_spec.models.eagle3 import Model, ModelArgs, default_layer_ids
 from mlx_spec.models.target import load_target
 from mlx_spec.sampling import SamplingParams
+from mlx_spec.tree import Tree, tree_forward
 
 
 def timed_ms(step, reps):
@@ -102,6 +104,26 @@ def main():
             step_ms = two_ms - one_ms  # one layer forward + head + pick
             print(f"{draft_vocab:>10} {mode:>8} {target_ms:>10.2f} {step_ms:>14.2f} "
                   f"{step_ms / target_ms:>6.3f}   (head + pick alone: {one_ms:.2f} ms)")
+
+    # Tree verification: one target pass over budget + 1 nodes (ancestor mask, depth positions),
+    # against the one-token step and a chain pass of the same width.
+    print(f"{'budget':>10} {'tree ms':>10} {'/ 1 token':>10} {'chain ms':>10} {'/ 1 token':>10}")
+    for budget in (16, 32, 64):
+        parents = [i // 4 for i in range(budget)]   # up to 4 children per node, breadth-first
+        nodes = mx.array(context[-1:] + list(range(100, 100 + budget)))
+
+        def tree_step():
+            logits, _ = tree_forward(target, nodes, Tree(parents), cache)
+            rollback_to(cache, opts.context)
+            return logits
+
+        def chain_step():
+            logits = target.model(nodes[None], cache=cache)
+            rollback_to(cache, opts.context)
+            return logits
+
+        one_ms, tree_ms, chain_ms = interleaved_medians([target_step, tree_step, chain_step], opts.reps, opts.runs)
+        print(f"{budget:>10} {tree_ms:>10.2f} {tree_ms / one_ms:>10.2f} {chain_ms:>10.2f} {chain_ms / one_ms:>10.2f}")
 
 
 if __name__ == "__main__":
