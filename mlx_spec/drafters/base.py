@@ -1,14 +1,15 @@
 """The Drafter protocol: every source of drafts implements these four members."""
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Union
 
 import mlx.core as mx
 
 
 @dataclass
 class Draft:
-    tokens: List[int] = field(default_factory=list)
+    # ints, or a lazy mx.array that the engine evaluates together with the verification
+    tokens: Union[List[int], mx.array] = field(default_factory=list)
     # Tree drafts: parents[i] is the node draft i extends (0 = the last committed token,
     # j + 1 = draft j), in breadth-first order. None: a chain.
     parents: Optional[List[int]] = None
