@@ -193,7 +193,8 @@ class Engine:
 
 class _Output:
     """Turns committed tokens into output events; decides when the output ends (EOS, a stop
-    string, max tokens) and records why in stats.finish_reason."""
+    string, max tokens) and records why in stats.finish_reason. Text that may be the start of
+    a stop string is held back until it is known not to be one: nothing printed is taken back."""
 
     def __init__(self, target, stop_strings, max_tokens, stats):
         self.eos = set(target.eos_token_ids)
@@ -201,7 +202,24 @@ class _Output:
         if self.detokenizer is not None:
             self.detokenizer.reset()
         self.stop_strings, self.max_tokens, self.stats = stop_strings, max_tokens, stats
-        self.text = ""
+        self.text, self.printed = "", 0
+
+    def _release(self) -> str:
+        """The text that can be printed now."""
+        end = len(self.text)
+        hits = [self.text.find(s, max(0, self.printed - len(s))) for s in self.stop_strings]
+        hits = [h for h in hits if h >= 0]
+        if hits:
+            end = min(hits)
+            self.stats.finish_reason = "stop"
+        else:  # hold back a suffix that a stop string starts with
+            for s in self.stop_strings:
+                for n in range(min(len(s) - 1, end - self.printed), 0, -1):
+                    if s.startswith(self.text[len(self.text) - n:]):
+                        end = min(end, len(self.text) - n)
+                        break
+        segment, self.printed = self.text[self.printed:end], max(self.printed, end)
+        return segment
 
     def add(self, token: int):
         stats = self.stats
@@ -209,22 +227,17 @@ class _Output:
             stats.finish_reason = "eos"
             return
         stats.generated_tokens += 1
-        segment = ""
         if self.detokenizer is not None:
             self.detokenizer.add_token(token)
-            segment = self.detokenizer.last_segment
-        if self.stop_strings:
-            self.text += segment
-            hit = min((self.text.find(s) for s in self.stop_strings if s in self.text), default=-1)
-            if hit >= 0:  # print up to the stop string, never past it
-                segment = segment[:max(0, len(segment) - (len(self.text) - hit))]
-                stats.finish_reason = "stop"
-        yield ("token", token, segment)
+            self.text += self.detokenizer.last_segment
+        yield ("token", token, self._release())
         if not stats.finish_reason and stats.generated_tokens >= self.max_tokens:
             stats.finish_reason = "length"
 
     def flush(self):
         if self.detokenizer is not None and self.stats.finish_reason != "stop":
             self.detokenizer.finalize()
-            if self.detokenizer.last_segment:
-                yield ("text", self.detokenizer.last_segment)
+            self.text += self.detokenizer.last_segment
+            # Nothing more will come: what was held back for a stop string is text after all.
+            if self.text[self.printed:]:
+                yield ("text", self.text[self.printed:])
