@@ -33,23 +33,15 @@ from .loop import (FeatureStore, LoopOptions, TrainResult, batch_indices, cast_f
 
 
 @dataclass
-class DFlashOptions:
-    steps: int = 2000
+class DFlashOptions(LoopOptions):
     batch_size: int = 2
     lr: float = 6e-4
-    warmup: int = 50
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
     layers: int = 2
     block_size: int = 16
     target_layers: Optional[List[int]] = None    # taps (output of layer i); None: z-lab's spread
     blocks_per_sequence: int = 32
     decay: float = 7.0                           # loss weight of block position i: exp(-(i-1)/decay)
     mask_token_id: Optional[int] = None          # None: see default_mask_token_id
-    max_length: int = 1024
-    save_every: int = 200
-    seed: int = 0
-    save_dtype: str = "float32"
 
 
 # --- pieces (unit-tested) ----------------------------------------------------------------------
@@ -279,9 +271,7 @@ def train_dflash(target, data_dir, out_dir, options: Optional[DFlashOptions] = N
     architecture = {"hidden_size": target.hidden_size, "target_layers": target.num_layers,
                     "layers": args.num_hidden_layers, "block_size": args.block_size,
                     "target_layer_ids": list(args.target_layer_ids), "mask_token_id": args.mask_token_id}
-    loop = LoopOptions(steps=o.steps, lr=o.lr, warmup=o.warmup, weight_decay=o.weight_decay,
-                       grad_clip=o.grad_clip, save_every=o.save_every, seed=o.seed)
-    result = run_loop("dflash", model, make_dflash_loss(target), make_batch, loop, out_dir, architecture,
+    result = run_loop("dflash", model, make_dflash_loss(target), make_batch, o, out_dir, architecture,
                       {"dflash": asdict(o)}, resume, progress)
     result.path = save_dflash(model, target, out_dir, o.save_dtype)
     return result

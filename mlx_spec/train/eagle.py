@@ -34,20 +34,10 @@ from .loop import (FeatureStore, LoopOptions, TrainResult, batch_indices, cast_f
 
 
 @dataclass
-class EagleOptions:
-    steps: int = 2000
-    batch_size: int = 4
-    lr: float = 3e-4
-    warmup: int = 50
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
+class EagleOptions(LoopOptions):
     ttt_steps: int = 7              # EAGLE-3's training-time test length
     ttt_decay: float = 0.8          # weight of step j's loss: ttt_decay ** j
     draft_vocab_size: int = 8192
-    max_length: int = 1024          # tokens per sequence (prompt + response)
-    save_every: int = 200
-    seed: int = 0
-    save_dtype: str = "float32"
     layer_ids: Optional[List[int]] = None   # EAGLE's convention (layer inputs); None: 2, N//2, N-3
 
 
@@ -245,9 +235,7 @@ def train_eagle(target, data_dir, out_dir, options: Optional[EagleOptions] = Non
     architecture = {"hidden_size": target.hidden_size, "target_layers": target.num_layers,
                     "vocab_size": target.vocab_size, "draft_vocab_size": model.args.draft_vocab_size,
                     "layer_ids": list(model.args.aux_layer_ids)}
-    loop = LoopOptions(steps=o.steps, lr=o.lr, warmup=o.warmup, weight_decay=o.weight_decay,
-                       grad_clip=o.grad_clip, save_every=o.save_every, seed=o.seed)
-    result = run_loop("eagle", model, eagle_loss, make_batch, loop, out_dir, architecture,
+    result = run_loop("eagle", model, eagle_loss, make_batch, o, out_dir, architecture,
                       {"eagle": asdict(o)}, resume, progress)
     result.path = save_eagle3(model, out_dir, o.save_dtype)
     return result

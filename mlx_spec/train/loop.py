@@ -270,13 +270,17 @@ def cast_for_saving(weights: Dict[str, mx.array], dtype: str) -> Dict[str, mx.ar
 
 @dataclass
 class LoopOptions:
-    steps: int
-    lr: float
-    warmup: int
-    weight_decay: float
-    grad_clip: float
-    save_every: int
-    seed: int
+    """What every trainer shares; EagleOptions and DFlashOptions add their own fields."""
+    steps: int = 2000
+    batch_size: int = 4
+    lr: float = 3e-4
+    warmup: int = 50
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    max_length: int = 1024          # tokens per sequence (prompt + response)
+    save_every: int = 200
+    seed: int = 0
+    save_dtype: str = "float32"
 
 
 def run_loop(kind: str, model: nn.Module, loss_fn: Callable, make_batch: Callable[[int], tuple],
