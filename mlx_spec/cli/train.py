@@ -16,7 +16,8 @@ def train():
 @click.option("--out", "out_dir", required=True, help="Output directory (train.jsonl, heldout.jsonl).")
 @click.option("--limit", type=click.IntRange(1), default=None, help="Use only the first N prompts.")
 @click.option("--max-tokens", type=click.IntRange(1), default=256, show_default=True, help="Longest response.")
-@click.option("--batch-size", type=click.IntRange(1), default=8, show_default=True)
+@click.option("--batch-size", type=click.IntRange(1), default=32, show_default=True,
+              help="Sequences decoded together (32: ~10x the one-sequence rate on 2 CPU cores).")
 @click.option("--temp", type=float, default=0.0, show_default=True, help="0: greedy responses.")
 @click.option("--dtype", default="auto", show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)

@@ -115,7 +115,7 @@ def read_split(directory, split: str) -> List[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def generate_data(target, out_dir, limit: Optional[int] = None, max_tokens: int = 256, batch_size: int = 8,
+def generate_data(target, out_dir, limit: Optional[int] = None, max_tokens: int = 256, batch_size: int = 32,
                   temp: float = 0.0, seed: int = 0, progress: Optional[Callable[[int], None]] = None) -> Dict[str, int]:
     """Answer the prompts with the target; append to out_dir/{train,heldout}.jsonl. Prompts
     already answered (by id) are skipped, so an interrupted run resumes."""
@@ -128,7 +128,8 @@ def generate_data(target, out_dir, limit: Optional[int] = None, max_tokens: int 
     out_dir.mkdir(parents=True, exist_ok=True)
     done = {row["id"] for split in ("train", "heldout") for row in read_split(out_dir, split)}
     prompts = build_prompts(seed)[:limit]
-    todo = [p for p in prompts if p["id"] not in done]
+    # Similar lengths share a batch: batch_generate left-pads every prompt to the longest.
+    todo = sorted((p for p in prompts if p["id"] not in done), key=lambda p: len(p["prompt"]))
     mx.random.seed(seed)
     tokenizer = target.tokenizer
     counts = {"skipped": len(prompts) - len(todo), "written": 0}
@@ -139,7 +140,8 @@ def generate_data(target, out_dir, limit: Optional[int] = None, max_tokens: int 
         encoded = [tokenizer.apply_chat_template([{"role": "user", "content": p["prompt"]}], add_generation_prompt=True)
                    for p in batch]
         result = batch_generate(target.model, tokenizer, encoded, max_tokens=max_tokens,
-                                sampler=make_sampler(temp), return_token_ids=True)
+                                sampler=make_sampler(temp), return_token_ids=True,
+                                completion_batch_size=batch_size, prefill_batch_size=min(batch_size, 8))
         for p, prompt_tokens, text, response_tokens in zip(batch, encoded, result.texts, result.token_ids):
             row = dict(p, prompt_tokens=list(prompt_tokens), response=text,
                        response_tokens=[int(t) for t in response_tokens])
