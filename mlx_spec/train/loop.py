@@ -137,14 +137,18 @@ class FeatureStore:
     def has(self, seq: TrainSequence) -> bool:
         return seq.index in self.memory or (self.directory is not None and self._path(seq).exists())
 
-    def compute(self, seq: TrainSequence) -> mx.array:
+    def compute(self, seqs: Sequence[TrainSequence]) -> List[mx.array]:
+        """Features of several sequences in one forward: right padding leaves the real
+        positions of a causal model untouched. Layers past the last tap and the head are never
+        evaluated (lazy graph)."""
         from mlx_lm.models.cache import make_prompt_cache
 
-        _, taps = self.target.forward(mx.array(seq.tokens)[None], make_prompt_cache(self.target.model),
-                                      self.taps)
-        features = mx.concatenate([taps[i] for i in self.taps], axis=-1)[0].astype(mx.float32)
+        length = max(len(s.tokens) for s in seqs)
+        tokens = mx.array([s.tokens + [0] * (length - len(s.tokens)) for s in seqs])
+        _, taps = self.target.forward(tokens, make_prompt_cache(self.target.model), self.taps)
+        features = mx.concatenate([taps[i] for i in self.taps], axis=-1).astype(mx.float32)
         mx.eval(features)
-        return features
+        return [features[i, :len(s.tokens)] for i, s in enumerate(seqs)]
 
     def get(self, seq: TrainSequence) -> mx.array:
         """[len(tokens), len(taps) * H] float32."""
@@ -154,7 +158,9 @@ class FeatureStore:
             stored = mx.load(str(self._path(seq)))
             if stored["tokens"].tolist() == seq.tokens:
                 return stored["features"]
-        features = self.compute(seq)
+        return self._keep(seq, self.compute([seq])[0])
+
+    def _keep(self, seq: TrainSequence, features: mx.array) -> mx.array:
         if self.directory is not None:
             mx.save_safetensors(str(self._path(seq)),
                                 {"features": features, "tokens": mx.array(seq.tokens, mx.int32)})
@@ -162,13 +168,19 @@ class FeatureStore:
             self.memory[seq.index] = features
         return features
 
-    def prepare(self, sequences: Sequence[TrainSequence], progress: Optional[Callable[[int], None]] = None):
-        """Compute (and store) every missing feature up front."""
-        for seq in sequences:
-            if not self.has(seq):
-                self.get(seq)
+    def prepare(self, sequences: Sequence[TrainSequence], progress: Optional[Callable[[int], None]] = None,
+                batch_size: int = 8):
+        """Compute (and store) every missing feature up front, in batches of similar lengths
+        (1.5x the one-sequence rate on 2 CPU cores)."""
+        missing = sorted((s for s in sequences if not self.has(s)), key=lambda s: len(s.tokens))
+        if progress:
+            progress(len(sequences) - len(missing))
+        for start in range(0, len(missing), batch_size):
+            group = missing[start:start + batch_size]
+            for seq, features in zip(group, self.compute(group)):
+                self._keep(seq, features)
             if progress:
-                progress(1)
+                progress(len(group))
 
 
 def used_indices(n: int, batch_size: int, start: int, steps: int, seed: int) -> List[int]:
