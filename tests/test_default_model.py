@@ -1,16 +1,25 @@
 """End-to-end on the embedded default model: mlx-spec's output is mlx-lm's, token for token."""
 
+import json
+from pathlib import Path
+
 import mlx.core as mx
 import pytest
 from tiny import run
 
 from mlx_spec.bench_suite import SUITE
+from mlx_spec.drafters import make_drafter
 from mlx_spec.drafters.lookup import LookupDrafter
 from mlx_spec.engine import Engine
-from mlx_spec.models.default import default_model_path
-from mlx_spec.models.target import load_target
+from mlx_spec.errors import MlxSpecError
+from mlx_spec.models.default import SHIPPED_DRAFTERS, default_model_path
+from mlx_spec.models.target import Target, load_target
+from mlx_spec.sampling import SamplingParams
 
 MAX_TOKENS = 128
+# Tokens per step the shipped drafters must beat on a held-out prompt at k = 5 (about half of
+# what they reach, see README): broken or untrained weights stay near 1.0.
+SHIPPED_MIN_TAU = {"eagle": 1.5, "dflash": 1.5}
 
 
 @pytest.fixture(scope="module")
@@ -80,3 +89,31 @@ def test_stats_and_tau(target):
     assert 0 < stats.acceptance_rate <= 1
     assert stats.committed == sum([stats.steps, stats.accepted])
     mx.clear_cache()
+
+
+# --- the drafters shipped for the default model -------------------------------------------------
+
+HELDOUT = [json.loads(line) for line in
+           (Path(__file__).resolve().parent.parent / "benchmarks" / "heldout_prompts.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("method", ["eagle", "dflash"])
+def test_shipped_drafter_is_used_by_default_and_is_lossless(target, method):
+    """`--draft eagle|dflash` without --draft-model on the default model: the trained drafter
+    that ships in the package, token-identical to mlx-lm, and it drafts tokens the target
+    accepts (a random drafter's tokens per step stay at 1.0) on a held-out prompt."""
+    path = SHIPPED_DRAFTERS / method
+    assert sum(f.stat().st_size for f in path.iterdir()) <= 25 * 2**20
+    drafter = make_drafter(method, target, dict(sampling=SamplingParams(), num_draft_tokens=5))
+    prompt = chat_prompt(target, HELDOUT[4]["prompt"])      # code: a docstring to add
+    expected = mlx_lm_tokens(target, prompt, 64)
+    tokens, stats = run(Engine(target, drafter, num_draft_tokens=5), prompt, 64)
+    assert tokens == expected
+    assert stats.tokens_per_step > SHIPPED_MIN_TAU[method]
+    mx.clear_cache()
+
+
+def test_no_shipped_drafter_for_another_model(target, tmp_path):
+    with pytest.raises(MlxSpecError, match="needs --draft-model"):
+        make_drafter("eagle", Target(target.model, target.tokenizer, target.config, path=str(tmp_path)),
+                     dict(sampling=SamplingParams()))

@@ -11,7 +11,8 @@ from .common import echo_err, reports_errors
 @click.option("--methods", default="none,lookup", show_default=True, help="Comma-separated draft methods.")
 @click.option("--draft-model", "draft_models", multiple=True,
               help="METHOD=PATH (or PATH for every method that needs one); repeatable.")
-@click.option("--num-draft-tokens", type=click.IntRange(0), default=10, show_default=True)
+@click.option("--num-draft-tokens", type=click.IntRange(0), default=None,
+              help="Most drafts per step, for every method (default: each method's own).")
 @click.option("--max-tokens", "-m", type=click.IntRange(1), default=128, show_default=True)
 @click.option("--repeats", type=click.IntRange(1), default=3, show_default=True)
 @click.option("--temp", type=float, default=0.0, show_default=True)
@@ -25,7 +26,7 @@ def bench(model_path, dtype, prompts, categories, methods, draft_models, num_dra
           max_tokens, repeats, temp, top_p, seed, json_path, markdown_path, plot_path):
     """Time draft methods side by side with plain mlx_lm.stream_generate."""
     from .. import bench as harness
-    from ..drafters import make_drafter
+    from ..drafters import draft_tokens, make_drafter
     from ..engine import Engine
     from ..errors import MlxSpecError
     from ..models.target import load_target
@@ -46,11 +47,12 @@ def bench(model_path, dtype, prompts, categories, methods, draft_models, num_dra
         model_path = default_model_path()
     target = load_target(model_path, dtype)
     sampling = SamplingParams(temp=temp, top_p=top_p).check(target.vocab_size)
-    engines = {}
+    engines, lengths = {}, {}
     for name in names:
+        lengths[name] = draft_tokens(name, num_draft_tokens)
         drafter = make_drafter(name, target, dict(draft_model=paths.get(name), sampling=sampling, seed=seed,
-                                                  num_draft_tokens=num_draft_tokens, dtype=dtype))
-        engines[name] = Engine(target, drafter, num_draft_tokens=num_draft_tokens, sampling=sampling, seed=seed)
+                                                  num_draft_tokens=lengths[name], dtype=dtype))
+        engines[name] = Engine(target, drafter, num_draft_tokens=lengths[name], sampling=sampling, seed=seed)
     if not engines:
         raise MlxSpecError("--methods names no method")
 
@@ -60,7 +62,7 @@ def bench(model_path, dtype, prompts, categories, methods, draft_models, num_dra
                                     progress=bar.update)
     rows = harness.summarize(records)
     meta = harness.machine_info(target, {name: paths.get(name) for name in names})
-    meta.update(max_tokens=max_tokens, repeats=repeats, temp=temp, num_draft_tokens=num_draft_tokens)
+    meta.update(max_tokens=max_tokens, repeats=repeats, temp=temp, num_draft_tokens=lengths)
     click.echo(harness.render_table(rows))
     if json_path:
         harness.write_json(json_path, meta, rows, records)

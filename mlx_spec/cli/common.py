@@ -10,7 +10,7 @@ from ..errors import MlxSpecError
 
 def model_options(f):
     """--model/--dtype and the draft-source options, named as in mlx-lm where it has them."""
-    from ..drafters import DRAFTERS
+    from ..drafters import DEFAULT_DRAFT_TOKENS, DRAFTERS
     from ..models.target import DTYPES
 
     options = [
@@ -21,8 +21,9 @@ def model_options(f):
         click.option("--draft", "method", default="lookup", show_default=True,
                      help=f"Source of drafts: {'|'.join(DRAFTERS)}."),
         click.option("--draft-model", default=None, help="Drafter checkpoint or draft model directory."),
-        click.option("--num-draft-tokens", type=click.IntRange(0), default=10, show_default=True,
-                     help="Most drafts verified per step."),
+        click.option("--num-draft-tokens", type=click.IntRange(0), default=None,
+                     help="Most drafts verified per step (default per method: "
+                          + ", ".join(f"{m} {k}" for m, k in DEFAULT_DRAFT_TOKENS.items() if k) + ")."),
         click.option("--ngram-max", type=click.IntRange(1), default=3, show_default=True,
                      help="lookup: longest n-gram matched."),
         click.option("--ngram-min", type=click.IntRange(1), default=1, show_default=True,
@@ -57,11 +58,12 @@ def reports_errors(f):
 
 def load_engine(model_path, dtype, method, draft_model, num_draft_tokens, ngram_max, ngram_min,
                 tree_budget, tree_topk, temp, top_p, top_k, min_p, seed):
-    from ..drafters import make_drafter
+    from ..drafters import draft_tokens, make_drafter
     from ..engine import Engine
     from ..models.target import load_target
     from ..sampling import SamplingParams
 
+    num_draft_tokens = draft_tokens(method, num_draft_tokens)
     if model_path is None:
         from ..models.default import default_model_path
 

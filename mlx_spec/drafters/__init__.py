@@ -65,7 +65,22 @@ DRAFTERS = {
 }
 
 
-def make_drafter(method: str, target, options: dict):
+# Drafts per step when --num-draft-tokens is not given: the length that was fastest for the
+# drafters shipped for the default model (README), mlx-lm's 3 for a draft model, and a long
+# bound for lookup, which picks its own length per step.
+DEFAULT_DRAFT_TOKENS = {"none": 0, "lookup": 10, "model": 3, "dflash": 15, "eagle": 5}
+
+
+def check_method(method: str) -> str:
     if method not in DRAFTERS:
         raise MlxSpecError(f"unknown draft method {method!r}: choose one of {', '.join(DRAFTERS)}")
-    return DRAFTERS[method](target, options)
+    return method
+
+
+def draft_tokens(method: str, num_draft_tokens=None) -> int:
+    """--num-draft-tokens, else the method's default."""
+    return DEFAULT_DRAFT_TOKENS[check_method(method)] if num_draft_tokens is None else num_draft_tokens
+
+
+def make_drafter(method: str, target, options: dict):
+    return DRAFTERS[check_method(method)](target, options)
