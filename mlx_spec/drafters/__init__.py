@@ -68,7 +68,7 @@ DRAFTERS = {
 # Drafts per step when --num-draft-tokens is not given: the length that was fastest for the
 # drafters shipped for the default model (README), mlx-lm's 3 for a draft model, and a long
 # bound for lookup, which picks its own length per step.
-DEFAULT_DRAFT_TOKENS = {"none": 0, "lookup": 10, "model": 3, "dflash": 15, "eagle": 5}
+DEFAULT_DRAFT_TOKENS = {"none": 0, "lookup": 10, "model": 3, "dflash": 4, "eagle": 2}
 
 
 def check_method(method: str) -> str:
