@@ -83,15 +83,19 @@ def test_batches_depend_only_on_seed_and_step():
     assert batch_indices(5, 2, 3, seed=1) == steps[3] != batch_indices(5, 2, 3, seed=2)
 
 
-def test_features_of_a_padded_batch_equal_one_sequence_at_a_time(target):
+def test_features_of_a_padded_batch_equal_one_sequence_at_a_time():
+    # unit-scale weights: the shared fixture's scaled-up ones reach 1e34, where a batched
+    # matmul's other summation order is not a small difference
+    target = tiny_target("llama", vocab_size=VOCAB, seed=3, num_layers=4, hidden_size=32)
     rng = np.random.default_rng(0)
-    seqs = [TrainSequence(i, rng.integers(1, 60, n).tolist(), 3) for i, n in enumerate([5, 17, 9])]
+    seqs = [TrainSequence(i, rng.integers(1, VOCAB, n).tolist(), 3) for i, n in enumerate([5, 17, 9])]
     store = FeatureStore(target, [0, 2])
     batched = store.compute(seqs)
     for seq, features in zip(seqs, batched):
         alone = store.compute([seq])[0]
         assert features.shape == (len(seq.tokens), 2 * target.hidden_size)
-        np.testing.assert_allclose(np.array(features), np.array(alone), atol=1e-4)
+        assert float(mx.abs(alone).max()) < 1e3
+        np.testing.assert_allclose(np.array(features), np.array(alone), rtol=1e-4, atol=1e-4)
 
 
 def test_training_time_test_equals_chained_drafting(target):
