@@ -14,7 +14,7 @@ from typing import Iterator, List, Optional, Sequence
 
 import mlx.core as mx
 
-from .cache import check_rollback, common_prefix_length, make_cache, rollback_to
+from .cache import check_speculation, check_tree, common_prefix_length, make_cache, rollback_to
 from .cost import StepCost
 from .drafters.base import Drafter, NoDrafter
 from .errors import MlxSpecError
@@ -74,12 +74,34 @@ class Engine:
         self.cost = cost or getattr(self.drafter, "cost", None) or StepCost()
         self.cache = make_cache(target.model)
         if not isinstance(self.drafter, NoDrafter):
-            check_rollback(self.cache, "speculative decoding")
+            check_speculation(self.cache, target.model_type)
+        if self.drafter.tree:
+            check_tree(self.cache, target.model_type)
         self.cached_tokens: List[int] = []   # tokens whose K/V are in self.cache, in order
 
     def reset(self) -> None:
-        rollback_to(self.cache, 0)
+        self.cache = make_cache(self.target.model)
         self.cached_tokens = []
+
+    def _roll_back(self, length: int) -> None:
+        """Keep the first `length` cached positions. A cache that cannot drop the rest exactly
+        (a window that moved past them, a recurrent state) starts again empty."""
+        if length < len(self.cached_tokens) and not rollback_to(self.cache, length):
+            self.reset()
+        self.cached_tokens = self.cached_tokens[:length]
+
+    def _fill(self, tokens: List[int]):
+        """Run the target over the tokens not yet cached (in chunks), so that the cache holds
+        `tokens`; the taps of the positions it ran."""
+        pieces = {}
+        for i in range(len(self.cached_tokens), len(tokens), PREFILL_CHUNK):
+            chunk = tokens[i:min(i + PREFILL_CHUNK, len(tokens))]
+            _, taps = self.target.forward(mx.array(chunk)[None], self.cache, self.drafter.taps)
+            mx.eval([c.state for c in self.cache], taps)
+            for layer, h in taps.items():
+                pieces.setdefault(layer, []).append(h)
+            self.cached_tokens += chunk
+        return {layer: mx.concatenate(hs, axis=1) for layer, hs in pieces.items()}
 
     def _next_key(self):
         self.key, key = mx.random.split(self.key)
@@ -101,7 +123,10 @@ class Engine:
             mx.eval(verdict, drafts)
             (n_accepted, next_token), drafts = verdict.tolist(), drafts.tolist()
             path = list(range(n_accepted))
-            rollback_to(self.cache, start + 1 + n_accepted)
+            self.cached_tokens = context + drafts
+            self._roll_back(start + 1 + n_accepted)
+            # A cache that had to start again is filled with the committed tokens (exact, slow).
+            self._fill(context + drafts[:n_accepted])
             rows = slice(0, n_accepted + 1)
         else:
             tree = Tree(draft.parents)
@@ -111,6 +136,7 @@ class Engine:
             nodes, next_token = verify_tree(logits[0], drafts, tree, self.sampling, draft.q, key)
             compact(self.cache, start, nodes)
             path = [node - 1 for node in nodes[1:]]
+            self.cached_tokens = context + [drafts[i] for i in path]
             rows = mx.array(nodes)
         return drafts, path, next_token, {layer: h[:, rows] for layer, h in taps.items()}
 
@@ -121,17 +147,9 @@ class Engine:
             # Recompute at least one position: feature drafters pair the last prompt token with
             # the target's features of the position before it.
             start -= 1
-        rollback_to(self.cache, start)
-        self.cached_tokens = list(context[:start])
-        pieces = {}
-        for i in range(start, len(context) - 1, PREFILL_CHUNK):
-            chunk = context[i:min(i + PREFILL_CHUNK, len(context) - 1)]
-            _, taps = self.target.forward(mx.array(chunk)[None], self.cache, self.drafter.taps)
-            mx.eval([c.state for c in self.cache], taps)
-            for layer, h in taps.items():
-                pieces.setdefault(layer, []).append(h)
-            self.cached_tokens += chunk
-        taps = {layer: mx.concatenate(hs, axis=1) for layer, hs in pieces.items()}
+        self._roll_back(start)
+        start = len(self.cached_tokens)   # 0 when the cache could not roll back
+        taps = self._fill(list(context[:-1]))
         self.drafter.prefill(list(context), taps, start)
 
     def generate(self, prompt: Sequence[int], max_tokens: int = 256,
@@ -155,7 +173,6 @@ class Engine:
                 self.cost.record(1 + len(drafts), time.perf_counter() - step_tic)
 
                 accepted = [drafts[i] for i in path]
-                self.cached_tokens = context + accepted
                 self.drafter.commit(len(accepted), next_token, taps,
                                     **({"path": path} if draft.parents is not None else {}))
                 stats.steps += 1
@@ -171,12 +188,11 @@ class Engine:
                         break
             yield from output.flush()
         except BaseException:
-            self.cached_tokens = []   # an interrupted step leaves cache and drafter out of step
+            self.reset()   # an interrupted step leaves cache and drafter out of step
             raise
         stats.generate_seconds = time.perf_counter() - tic
         # Drafts committed past EOS/stop/limit are dropped: the cache keeps only what is kept.
-        rollback_to(self.cache, len(context) - 1)
-        self.cached_tokens = context[:-1]
+        self._roll_back(len(context) - 1)
         yield ("done", stats)
 
     def _check(self, prompt: List[int], max_tokens: int) -> None:

@@ -1,34 +1,12 @@
 import pytest
-from tiny import plain_greedy, run, tiny_target
+from tiny import ScriptedDrafter, plain_greedy, run, tiny_target
 
-from mlx_spec.drafters.base import Draft, Drafter
 from mlx_spec.drafters.lookup import LookupDrafter
 from mlx_spec.engine import Engine
 from mlx_spec.errors import MlxSpecError
 
 # A prompt that repeats itself, so that lookup finds matches and really drafts.
 PROMPT = [1, 5, 7, 9, 11, 13, 2, 5, 7, 9, 11, 13, 2, 5, 7]
-
-
-class ScriptedDrafter(Drafter):
-    """Drafts the reference continuation with every `wrong_every`-th token corrupted, so that
-    each step accepts a known number of drafts (tests the loop, not a drafting strategy)."""
-
-    def __init__(self, reference, wrong_every, vocab):
-        self.reference, self.wrong_every, self.vocab = reference, wrong_every, vocab
-        self.position = 0
-        self.last = []
-
-    def propose(self, k):
-        drafts = list(self.reference[self.position:self.position + k])
-        for i in range(len(drafts)):
-            if (self.position + i) % self.wrong_every == self.wrong_every - 1:
-                drafts[i] = (drafts[i] + 1) % self.vocab
-        self.last = drafts
-        return Draft(tokens=drafts)
-
-    def commit(self, n_accepted, next_token, taps):
-        self.position += n_accepted + 1
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])

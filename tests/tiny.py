@@ -7,6 +7,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten, tree_map
 
 import mlx_spec  # noqa: F401  (loads OpenBLAS before mlx.core does any work)
+from mlx_spec.drafters.base import Draft, Drafter
 from mlx_spec.models.target import Target
 
 
@@ -75,3 +76,24 @@ def tiny_chat_model_dir(path, seed=0):
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         shutil.copy(default_model_path() / name, path / name)
     return path
+
+
+class ScriptedDrafter(Drafter):
+    """Drafts the reference continuation with every `wrong_every`-th token corrupted, so that
+    each step accepts a known number of drafts (tests the loop, not a drafting strategy)."""
+
+    def __init__(self, reference, wrong_every, vocab):
+        self.reference, self.wrong_every, self.vocab = reference, wrong_every, vocab
+        self.position = 0
+        self.last = []
+
+    def propose(self, k):
+        drafts = list(self.reference[self.position:self.position + k])
+        for i in range(len(drafts)):
+            if (self.position + i) % self.wrong_every == self.wrong_every - 1:
+                drafts[i] = (drafts[i] + 1) % self.vocab
+        self.last = drafts
+        return Draft(tokens=drafts)
+
+    def commit(self, n_accepted, next_token, taps):
+        self.position += n_accepted + 1

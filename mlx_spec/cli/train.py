@@ -71,6 +71,12 @@ def training_options(f):
         click.option("--save-every", type=click.IntRange(0), default=200, show_default=True,
                      help="Checkpoint every N steps (0: only at the end)."),
         click.option("--resume", is_flag=True, help="Continue from OUT/checkpoint."),
+        click.option("--init", "init_dir", default=None,
+                     help="Start from this published drafter's weights (e.g. a shipped one); "
+                          "its shape and taps win over the shape options."),
+        click.option("--max-minutes", type=click.FloatRange(0), default=0, show_default=True,
+                     help="Stop after this many minutes of training, checkpointed (0: no limit); "
+                          "--resume continues."),
         click.option("--seed", type=int, default=0, show_default=True),
         click.option("--dtype", default="auto", show_default=True,
                      help="Target dtype (auto: float32 on the CPU). The drafter trains in float32."),
@@ -150,14 +156,14 @@ def _run_training(label, train_fn, options, model_path, data_dir, out_dir, dtype
                    "(default: 2, N//2, N-3).")
 @reports_errors
 def eagle(model_path, data_dir, out_dir, steps, batch_size, lr, warmup, weight_decay, max_length, save_every,
-          resume, seed, dtype, save_dtype, feature_cache, ttt_steps, draft_vocab_size, layer_ids):
+          resume, init_dir, max_minutes, seed, dtype, save_dtype, feature_cache, ttt_steps, draft_vocab_size, layer_ids):
     """Train an EAGLE-3 draft layer (SafeAILab layout) against a frozen target."""
     from ..train.eagle import EagleOptions, train_eagle
 
     options = EagleOptions(steps=steps, batch_size=batch_size or 4, lr=lr or 3e-4, warmup=warmup,
                            weight_decay=weight_decay, ttt_steps=ttt_steps, draft_vocab_size=draft_vocab_size,
                            max_length=max_length, save_every=save_every, seed=seed, save_dtype=save_dtype,
-                           layer_ids=layer_ids)
+                           layer_ids=layer_ids, init=init_dir, max_minutes=max_minutes)
     _run_training("eagle", train_eagle, options, model_path, data_dir, out_dir, dtype, resume, feature_cache)
 
 
@@ -176,7 +182,7 @@ def eagle(model_path, data_dir, out_dir, steps, batch_size, lr, warmup, weight_d
               help="Token of the masked block positions (default: the tokenizer's unk token).")
 @reports_errors
 def dflash(model_path, data_dir, out_dir, steps, batch_size, lr, warmup, weight_decay, max_length, save_every,
-           resume, seed, dtype, save_dtype, feature_cache, layers, block_size, target_layers,
+           resume, init_dir, max_minutes, seed, dtype, save_dtype, feature_cache, layers, block_size, target_layers,
            blocks_per_sequence, decay, mask_token_id):
     """Train a DFlash drafter (z-lab layout) against a frozen target."""
     from ..train.dflash import DFlashOptions, train_dflash
@@ -185,5 +191,5 @@ def dflash(model_path, data_dir, out_dir, steps, batch_size, lr, warmup, weight_
                             weight_decay=weight_decay, layers=layers, block_size=block_size,
                             target_layers=target_layers, blocks_per_sequence=blocks_per_sequence, decay=decay,
                             mask_token_id=mask_token_id, max_length=max_length, save_every=save_every,
-                            seed=seed, save_dtype=save_dtype)
+                            seed=seed, save_dtype=save_dtype, init=init_dir, max_minutes=max_minutes)
     _run_training("dflash", train_dflash, options, model_path, data_dir, out_dir, dtype, resume, feature_cache)

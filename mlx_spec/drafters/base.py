@@ -27,6 +27,8 @@ class Drafter:
 
     # Target layers whose hidden states the drafter needs (DESIGN.md tap convention).
     taps: Sequence[int] = ()
+    # True when propose may return a tree (verified through tree.py, which needs a plain KV cache).
+    tree: bool = False
 
     def prefill(self, context: List[int], taps: Dict[int, mx.array], start: int) -> None:
         """context: every token so far, the last one not yet seen by the target; the target has

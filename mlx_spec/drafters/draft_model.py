@@ -9,7 +9,7 @@ from typing import List
 
 import mlx.core as mx
 
-from ..cache import check_rollback, common_prefix_length, make_cache, rollback_to
+from ..cache import check_speculation, common_prefix_length, make_cache, rollback_to
 from ..errors import MlxSpecError
 from ..sampling import SamplingParams, probs, sample
 from .base import Draft, Drafter
@@ -40,7 +40,7 @@ class DraftModelDrafter(Drafter):
         self.sampling = sampling
         self.vocab_size = vocab_size        # the target's: q is padded to it
         self.cache = make_cache(draft.model)
-        check_rollback(self.cache, "a draft model")
+        check_speculation(self.cache, draft.model_type, "a draft model")
         self.key = mx.random.key(seed + 1)  # independent of the engine's verification stream
         self.context: List[int] = []        # committed tokens
         self.cached: List[int] = []         # tokens whose K/V are in self.cache
@@ -51,10 +51,16 @@ class DraftModelDrafter(Drafter):
         self.cached += tokens
         return logits
 
+    def _roll_back(self, length: int) -> None:
+        """As the engine's: a cache that cannot roll back exactly (a sliding window that has
+        rotated past the drafts) starts again empty and is refilled at the next propose."""
+        if length < len(self.cached) and not rollback_to(self.cache, length):
+            self.cache, length = make_cache(self.draft.model), 0
+        self.cached = self.cached[:length]
+
     def prefill(self, context, taps, start):
-        keep = common_prefix_length(self.cached, context[:-1])
-        rollback_to(self.cache, keep)
-        self.cached = self.cached[:keep]
+        self._roll_back(common_prefix_length(self.cached, context[:-1]))
+        keep = len(self.cached)
         self.context = list(context)
         if len(context) - 1 > keep:
             self._feed(self.context[keep:-1])
@@ -85,6 +91,8 @@ class DraftModelDrafter(Drafter):
     def commit(self, n_accepted, next_token, taps):
         drafts = self.pending.tolist() if self.pending is not None else []
         # The cache saw the context and drafts 1..k-1; what stays valid is the accepted part.
-        self.cached += drafts[:min(n_accepted, len(drafts) - 1)]
-        rollback_to(self.cache, len(self.cached))
+        fed = drafts[:-1]
+        valid = len(self.cached) + min(n_accepted, len(fed))
+        self.cached += fed
+        self._roll_back(valid)
         self.context += drafts[:n_accepted] + [next_token]

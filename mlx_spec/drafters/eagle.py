@@ -27,6 +27,7 @@ class EagleDrafter(Drafter):
                  tree_budget: int = 0, tree_topk: int = 8):
         self.model = model
         self.tree_budget, self.tree_topk = tree_budget, tree_topk  # tree mode when budget > 0
+        self.tree = tree_budget > 0
         self.taps = model.taps
         # top-k over the whole draft vocabulary keeps it all (and mlx-lm's filter wants k < size)
         keeps_all = sampling.top_k >= model.args.draft_vocab_size

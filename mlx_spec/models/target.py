@@ -93,6 +93,10 @@ class Target:
 
     # --- facts about the model -----------------------------------------------------------
     @property
+    def model_type(self) -> str:
+        return str(self.config.get("model_type", type(self.model).__module__.rsplit(".", 1)[-1]))
+
+    @property
     def hidden_size(self) -> int:
         return int(self.config.get("hidden_size") or self.config["text_config"]["hidden_size"])
 

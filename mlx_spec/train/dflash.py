@@ -253,10 +253,16 @@ def train_dflash(target, data_dir, out_dir, options: Optional[DFlashOptions] = N
     sequences = load_sequences(data_dir, o.max_length)
     out_dir.mkdir(parents=True, exist_ok=True)
     mx.random.seed(o.seed)
-    model = new_dflash_model(target, o.layers, o.block_size, o.target_layers, o.mask_token_id)
+    start = resume_step(out_dir, resume)
+    if o.init and not start:   # continue a published drafter (its own shape, taps, mask token)
+        from ..models.dflash import load_dflash
+
+        model = load_dflash(o.init, target)
+        model.set_dtype(mx.float32)
+    else:
+        model = new_dflash_model(target, o.layers, o.block_size, o.target_layers, o.mask_token_id)
     store = FeatureStore(target, model.args.target_layer_ids,
                          out_dir / "features" if feature_dir == "default" else feature_dir)
-    start = resume_step(out_dir, resume)
     store.prepare([sequences[i] for i in used_indices(len(sequences), o.batch_size, start, o.steps, o.seed)],
                   feature_progress)
     weights_by_position = position_weights(o.block_size, o.decay)

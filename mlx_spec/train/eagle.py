@@ -215,10 +215,17 @@ def train_eagle(target, data_dir, out_dir, options: Optional[EagleOptions] = Non
     sequences = load_sequences(data_dir, o.max_length)
     out_dir.mkdir(parents=True, exist_ok=True)
     mx.random.seed(o.seed)
-    model = new_eagle_model(target, draft_vocabulary(sequences, target.vocab_size, o.draft_vocab_size),
-                            o.layer_ids)
-    store = FeatureStore(target, model.taps, out_dir / "features" if feature_dir == "default" else feature_dir)
     start = resume_step(out_dir, resume)
+    if o.init and not start:   # continue a published layer (its own draft vocabulary and taps)
+        from ..models.eagle3 import load_eagle3
+
+        model = load_eagle3(o.init, target)
+        model.set_dtype(mx.float32)
+        model.freeze(keys=["d2t"], recurse=False)
+    else:
+        model = new_eagle_model(target, draft_vocabulary(sequences, target.vocab_size, o.draft_vocab_size),
+                                o.layer_ids)
+    store = FeatureStore(target, model.taps, out_dir / "features" if feature_dir == "default" else feature_dir)
     store.prepare([sequences[i] for i in used_indices(len(sequences), o.batch_size, start, o.steps, o.seed)],
                   feature_progress)
     step_weights = [o.ttt_decay ** j for j in range(o.ttt_steps)]

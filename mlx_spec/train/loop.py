@@ -293,6 +293,8 @@ class LoopOptions:
     save_every: int = 200
     seed: int = 0
     save_dtype: str = "float32"
+    max_minutes: float = 0.0        # stop (and checkpoint) after this much training; 0: no limit
+    init: Optional[str] = None      # start from this published drafter's weights (not a resume)
 
 
 def run_loop(kind: str, model: nn.Module, loss_fn: Callable, make_batch: Callable[[int], tuple],
@@ -313,8 +315,11 @@ def run_loop(kind: str, model: nn.Module, loss_fn: Callable, make_batch: Callabl
     value_and_grad = nn.value_and_grad(model, loss_fn)
     result = TrainResult(step=start)
     log = open(out_dir / "train_log.jsonl", "a")
+    deadline = time.monotonic() + 60 * options.max_minutes if options.max_minutes > 0 else None
     try:
         for step in range(start, options.steps):
+            if deadline is not None and time.monotonic() > deadline:
+                break   # the time budget is spent: checkpoint below, a later --resume continues
             tic = time.perf_counter()
             batch, positions = make_batch(step)
             (loss, metrics), grads = value_and_grad(model, *batch)

@@ -1,0 +1,137 @@
+"""Targets whose caches are not plain KV caches: sliding windows (Gemma 3, gpt-oss alternating
+windows) and recurrent layers (Qwen3-Next, Mamba-2), built from mlx-lm's own classes with tiny
+random weights, with contexts well past the window. Every output is either plain mlx-lm's,
+token for token, or refused in one line before any token."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from tiny import ScriptedDrafter, plain_greedy, run, tiny_target
+
+from mlx_spec.cache import rollback_to
+from mlx_spec.drafters.draft_model import DraftModelDrafter
+from mlx_spec.drafters.lookup import LookupDrafter
+from mlx_spec.engine import Engine
+from mlx_spec.errors import MlxSpecError
+from mlx_spec.sampling import SamplingParams
+
+WINDOW = 8
+WINDOWED = {
+    "gemma3_text": dict(head_dim=16, sliding_window=WINDOW, sliding_window_pattern=2,
+                        query_pre_attn_scalar=16, num_hidden_layers=4),
+    "gpt_oss": dict(head_dim=16, sliding_window=WINDOW, num_local_experts=4, num_experts_per_tok=2,
+                    intermediate_size=64, num_hidden_layers=4,
+                    layer_types=["sliding_attention", "full_attention"] * 2),
+}
+RECURRENT = {
+    "qwen3_next": dict(head_dim=16, linear_num_value_heads=2, linear_num_key_heads=2,
+                       linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
+                       num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1,
+                       shared_expert_intermediate_size=64, mlp_only_layers=[], moe_intermediate_size=32,
+                       partial_rotary_factor=0.25, full_attention_interval=2, num_hidden_layers=4),
+    "mamba2": dict(num_heads=4, head_dim=16, intermediate_size=64, state_size=16, layer_norm_epsilon=1e-5,
+                   conv_kernel=4, n_groups=1, use_bias=False, use_conv_bias=True,
+                   time_step_limit=[0.0, float("inf")], time_step_rank="auto"),
+}
+# Repeats itself (lookup drafts) and is longer than the window.
+PROMPT = [1, 5, 7, 9, 11, 13, 2, 5, 7, 9, 11, 13, 2, 5, 7, 9, 11, 13, 2, 5, 7]
+
+
+def target_of(arch, seed=0):
+    extra = {**WINDOWED, **RECURRENT}[arch]
+    return tiny_target(arch, seed=seed, scale=3.0, **extra)
+
+
+@pytest.mark.parametrize("arch", list(WINDOWED) + list(RECURRENT))
+def test_plain_decoding_runs_every_cache(arch):
+    target = target_of(arch)
+    expected = plain_greedy(target.model, PROMPT, 30)
+    engine = Engine(target)
+    tokens, stats = run(engine, PROMPT, 30)
+    assert tokens == expected
+    # The session goes on: the next turn extends the context (reused), then one that diverges.
+    follow_up = PROMPT + tokens + [3, 4]
+    assert run(engine, follow_up, 12)[0] == plain_greedy(target.model, follow_up, 12)
+    other = [2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 3]
+    assert run(engine, other, 12)[0] == plain_greedy(target.model, other, 12)
+
+
+@pytest.mark.parametrize("arch", list(WINDOWED))
+@pytest.mark.parametrize("k", [1, 3, 8])
+def test_windowed_speculation_is_token_identical(arch, k):
+    target = target_of(arch)
+    expected = plain_greedy(target.model, PROMPT, 40)
+    for drafter in (LookupDrafter(adaptive=False),
+                    ScriptedDrafter(expected, 3, 32),
+                    ScriptedDrafter(expected, 100, 32),
+                    DraftModelDrafter(target_of(arch), SamplingParams(), 32)):
+        tokens, stats = run(Engine(target, drafter, num_draft_tokens=k), PROMPT, 40)
+        assert tokens == expected, (type(drafter).__name__, k)
+        assert stats.proposed > 0
+
+
+@pytest.mark.parametrize("arch", list(WINDOWED))
+def test_every_acceptance_length_past_the_window(arch):
+    target = target_of(arch, seed=1)
+    expected = plain_greedy(target.model, PROMPT, 40)
+    for wrong_every in (2, 4, 5, 7):
+        engine = Engine(target, ScriptedDrafter(expected, wrong_every, 32), num_draft_tokens=8)
+        tokens, stats = run(engine, PROMPT, 40)
+        assert tokens == expected, wrong_every
+        assert 0 < stats.accepted < stats.proposed
+
+
+@pytest.mark.parametrize("arch", list(WINDOWED))
+def test_chat_crossing_the_window_stays_identical(arch):
+    """A conversation shorter than the window at first, well past it later; lookup drafts."""
+    target = target_of(arch, seed=2)
+    engine = Engine(target, LookupDrafter(adaptive=False), num_draft_tokens=4)
+    context = [1, 5, 7]
+    for turn in range(4):
+        expected = plain_greedy(target.model, context, 9)
+        tokens, _ = run(engine, context, 9)
+        assert tokens == expected, turn
+        context = context + tokens + [3, 5, 7, 9][:turn + 1]
+    assert len(context) > 3 * WINDOW
+
+
+@pytest.mark.parametrize("arch", list(RECURRENT))
+def test_recurrent_speculation_is_refused_before_any_token(arch):
+    target = target_of(arch)
+    with pytest.raises(MlxSpecError, match=f"cannot roll back the ArraysCache of this {arch} model"):
+        Engine(target, LookupDrafter())
+    with pytest.raises(MlxSpecError, match="a draft model cannot roll back"):
+        DraftModelDrafter(target, SamplingParams(), 32)
+
+
+def test_rotating_rollback_equals_a_plain_run():
+    """After a verification-sized update past the window and a rollback, the sliding layer's
+    cache holds the same window as a plain run over the kept tokens."""
+    target = target_of("gemma3_text")
+    sliding = 0   # layer 0 slides (pattern 2: every second layer is global)
+
+    def window_after(tokens_fed):
+        cache = target.model.make_cache()
+        for piece in tokens_fed:
+            target.model(mx.array(piece)[None], cache=cache)
+        return cache
+
+    context, step = PROMPT, [3, 4, 6, 8, 10, 12]
+    for keep in (1, 3, 5):
+        cache = window_after([context, step])
+        assert rollback_to(cache, len(context) + keep)
+        plain = window_after([context] + [[t] for t in step[:keep]])
+        c, p = cache[sliding], plain[sliding]
+        n = WINDOW - 1
+        ours = c._temporal_order(c.keys)[..., -n:, :]
+        theirs = p._temporal_order(p.keys)[..., -n:, :]
+        assert np.allclose(np.array(ours), np.array(theirs), atol=1e-5)
+        assert c.offset == p.offset
+
+
+def test_trees_need_a_plain_kv_cache():
+    class TreeDrafter(LookupDrafter):
+        tree = True
+
+    with pytest.raises(MlxSpecError, match="tree drafts need a plain KV cache; this gemma3_text model"):
+        Engine(target_of("gemma3_text"), TreeDrafter())
