@@ -27,7 +27,7 @@ from mlx_spec.engine import Engine
 from mlx_spec.models.default import default_model_path
 from mlx_spec.models.dflash import DFlashModel, ModelArgs, spread_layer_ids
 from mlx_spec.models.target import load_target
-from mlx_spec.sampling import SamplingParams
+from mlx_spec.sampling import Sampler, SamplingParams
 
 BLOCK = 16
 
@@ -111,7 +111,8 @@ def main():
           f"{verify_ms:.2f} ms (+ {verify_build:.2f} ms building the graph)")
     draft_ms = {}
     for mode, params in (("greedy", SamplingParams()), ("sampled", SamplingParams(temp=0.7))):
-        drafter = DFlashDrafter(target, model, params)
+        drafter = DFlashDrafter(target, model)
+        drafter.sampler = Sampler(params)
         drafter.prefill(context, taps, 0)
         if mode == "greedy":
             layers_ms, _ = median_ms(lambda: model(target.embed(block), drafter.cache), opts.reps, opts.runs)
@@ -127,7 +128,7 @@ def main():
     # its module's `mx`, so what remains is host work.
     rounds, host = [], []
     for _ in range(opts.runs):
-        engine = Engine(target, DFlashDrafter(target, model, SamplingParams()), num_draft_tokens=BLOCK - 1)
+        engine = Engine(target, DFlashDrafter(target, model), num_draft_tokens=BLOCK - 1, adaptive=False)
         timed = TimedEval()
         engine_module.mx = timed
         marks = [(time.perf_counter(), timed.seconds)

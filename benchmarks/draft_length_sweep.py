@@ -1,5 +1,6 @@
 """Tokens per step and speed of a drafter at several draft lengths, against plain decoding in
-the same run (greedy), on the held-out prompts: how DEFAULT_DRAFT_TOKENS was chosen.
+the same run (greedy), on the held-out prompts, each length fixed (--fixed) or as the most the
+policy may verify (--adaptive).
 
     .venv/bin/python benchmarks/draft_length_sweep.py --method eagle --lengths 2,3,4,6
 """
@@ -14,7 +15,6 @@ from mlx_spec.drafters import make_drafter
 from mlx_spec.engine import Engine
 from mlx_spec.models.default import default_model_path
 from mlx_spec.models.target import load_target
-from mlx_spec.sampling import SamplingParams
 
 PROMPTS = Path(__file__).resolve().parent / "heldout_prompts.jsonl"
 
@@ -32,6 +32,7 @@ def main():
     parser.add_argument("--lengths", default="2,3,4,6")
     parser.add_argument("--prompts", type=int, default=5, help="the first N held-out prompts")
     parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--adaptive", action="store_true", help="let the policy choose up to each length")
     args = parser.parse_args()
     target = load_target(default_model_path())
     rows = [json.loads(line) for line in PROMPTS.read_text().splitlines()][::2][:args.prompts]
@@ -42,9 +43,8 @@ def main():
     base = [timed(plain, p, args.max_tokens)[0] for p in prompts]
     print(f"plain: {statistics.median(base):.1f} tok/s (median of {len(prompts)} prompts)")
     for k in [int(v) for v in args.lengths.split(",")]:
-        drafter = make_drafter(args.method, target, dict(draft_model=args.draft_model, sampling=SamplingParams(),
-                                                         num_draft_tokens=k))
-        engine = Engine(target, drafter, num_draft_tokens=k)
+        drafter = make_drafter(args.method, target, dict(draft_model=args.draft_model, num_draft_tokens=k))
+        engine = Engine(target, drafter, num_draft_tokens=k, adaptive=args.adaptive)
         results = [timed(engine, p, args.max_tokens) for p in prompts]
         speed = [r[0] / b for r, b in zip(results, base)]
         taus = [r[1].tokens_per_step for r in results]

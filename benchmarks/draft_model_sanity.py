@@ -49,8 +49,8 @@ def tau(target, draft, k, temp, max_tokens):
     committed = steps = 0
     for text in PROMPTS:
         prompt = target.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
-        engine = Engine(target, DraftModelDrafter(draft, sampling, target.vocab_size), num_draft_tokens=k,
-                        sampling=sampling, seed=0)
+        engine = Engine(target, DraftModelDrafter(draft, target.vocab_size), num_draft_tokens=k,
+                        sampling=sampling, seed=0, adaptive=False)
         for event in engine.generate(prompt, max_tokens=max_tokens):
             if event[0] == "done":
                 committed += event[1].committed

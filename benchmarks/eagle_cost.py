@@ -22,7 +22,7 @@ from mlx_spec.drafters.eagle import EagleDrafter
 from mlx_spec.models.default import default_model_path
 from mlx_spec.models.eagle3 import Model, ModelArgs, default_layer_ids
 from mlx_spec.models.target import load_target
-from mlx_spec.sampling import SamplingParams
+from mlx_spec.sampling import Sampler, SamplingParams
 from mlx_spec.tree import Tree, tree_forward
 
 
@@ -84,7 +84,8 @@ def main():
     for draft_vocab in (target.vocab_size, 32000):
         model = random_eagle(target, draft_vocab)
         for mode, sampling in (("greedy", SamplingParams()), ("sampled", SamplingParams(temp=0.7))):
-            drafter = EagleDrafter(model, sampling, target.vocab_size)
+            drafter = EagleDrafter(model, target.vocab_size)
+            drafter.sampler = Sampler(sampling)
             fused = mx.random.normal((1, opts.context - 1, len(model.taps) * target.hidden_size))
             drafter.prefill(context, {tap: fused[..., i * target.hidden_size:(i + 1) * target.hidden_size]
                                       for i, tap in enumerate(model.taps)}, 0)

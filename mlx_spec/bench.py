@@ -31,6 +31,7 @@ class Record:
     generated_tokens: int
     seconds: float
     steps: int = 0
+    plain_steps: int = 0                  # steps that verified no draft
     proposed: int = 0
     accepted: int = 0
     baseline_tokens: int = 0
@@ -143,7 +144,8 @@ def run_bench(target, engines: Dict[str, object], items, max_tokens, repeats, sa
                     records.append(Record(
                         method=name, category=item["category"], question_id=item["question_id"],
                         turn=turn, repeat=repeat, generated_tokens=len(tokens), seconds=seconds,
-                        steps=stats.steps, proposed=stats.proposed, accepted=stats.accepted,
+                        steps=stats.steps, plain_steps=stats.plain_steps, proposed=stats.proposed,
+                        accepted=stats.accepted,
                         baseline_tokens=len(base_tokens), baseline_seconds=base_seconds,
                         identical=(diff is None) if sampling.greedy else None,
                         first_difference=diff if sampling.greedy else None,
@@ -186,6 +188,9 @@ def summarize(records: List[Record]) -> List[dict]:
             speedup=statistics.median(x for _, _, x in per_repeat),
             speedup_per_repeat=[x for _, _, x in per_repeat],
             tokens_per_step=committed / steps if steps else 0.0,
+            mean_draft_length=proposed / steps if steps else 0.0,
+            plain_steps=sum(r.plain_steps for r in rs),
+            plain_step_share=sum(r.plain_steps for r in rs) / steps if steps else 0.0,
             acceptance_rate=sum(r.accepted for r in rs) / proposed if proposed else 0.0,
             identical=f"{sum(r.identical for r in checked)}/{len(checked)}" if checked else "n/a",
             first_differences=[r.first_difference for r in checked if not r.identical],
@@ -196,8 +201,10 @@ def summarize(records: List[Record]) -> List[dict]:
 
 COLUMNS = [("method", "{}"), ("category", "{}"), ("tokens_per_second", "{:.1f}"),
            ("baseline_tokens_per_second", "{:.1f}"), ("speedup", "{:.2f}x"),
-           ("tokens_per_step", "{:.2f}"), ("acceptance_rate", "{:.0%}"), ("identical", "{}")]
-HEADERS = ["method", "category", "tok/s", "mlx-lm tok/s", "speedup", "tau", "acceptance", "identical"]
+           ("tokens_per_step", "{:.2f}"), ("acceptance_rate", "{:.0%}"), ("mean_draft_length", "{:.2f}"),
+           ("plain_step_share", "{:.0%}"), ("identical", "{}")]
+HEADERS = ["method", "category", "tok/s", "mlx-lm tok/s", "speedup", "tau", "acceptance", "drafts/step",
+           "plain steps", "identical"]
 
 
 def _cells(rows):

@@ -1,50 +1,44 @@
-"""How long to draft: a measured cost of verifying w tokens against the expected gain.
+"""Measured costs on this machine, while it runs: seconds as a linear function of a width.
 
-With per-token acceptance alpha, k drafts commit E(k) = (1 - alpha^(k+1)) / (1 - alpha) tokens
-per step (the target's own token included) for a step of width k + 1. Drafting pays when
-E(k) / cost(k + 1) beats plain decoding's 1 / cost(1)."""
-
-from typing import Dict
-
-
-class StepCost:
-    """Relative cost of a target forward over w tokens, cost(1) = 1, learned from timed steps.
-
-    Model: cost(w) = 1 + slope * (w - 1). The prior slope is the CPU figure of DESIGN.md
-    (11 tokens ~ 1.6x-2.4x one token); each timed step pulls the estimate toward this machine."""
-
-    def __init__(self, prior_slope: float = 0.1, decay: float = 0.9):
-        self.decay = decay
-        self.one = None            # running mean of a width-1 step, seconds
-        self.slope = prior_slope
-        self.seen: Dict[int, int] = {}
-
-    def record(self, width: int, seconds: float) -> None:
-        self.seen[width] = self.seen.get(width, 0) + 1
-        if self.seen[width] <= 1:
-            return  # the first step of each width pays for compilation and warm-up
-        if width == 1:
-            self.one = seconds if self.one is None else self.decay * self.one + (1 - self.decay) * seconds
-        elif self.one is not None:
-            observed = max(0.0, (seconds / self.one - 1.0) / (width - 1))
-            self.slope = self.decay * self.slope + (1 - self.decay) * observed
-
-    def __call__(self, width: int) -> float:
-        return 1.0 + self.slope * (width - 1)
+`LinearCost` fits seconds(x) ~ a + b x by exponentially weighted least squares, so old steps
+fade and the fit follows the context as a chat grows (a verification of k tokens at 8k context
+does not cost what it cost at 200). When the widths seen so far do not spread enough to tell
+intercept from slope, a weak prior shape decides: y ~ (1 - r) + r x through the mean point
+(verification: r = 0.1, DESIGN.md's CPU figure of 11 tokens ~ 1.6x-2.4x one token; drafting:
+r = 1, cost proportional to the positions drafted)."""
 
 
-def expected_tokens(alpha: float, k: int) -> float:
-    if alpha >= 1.0:
-        return k + 1.0
-    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+class LinearCost:
+    def __init__(self, prior_ratio: float, decay: float = 0.95, prior_weight: float = 0.5,
+                 unknown_scale: float = 1.0, skip_first: bool = True):
+        """unknown_scale: before anything is measured, seconds(x) = unknown_scale * (1 - r + r x),
+        in the units of the other costs' guesses (0: free until measured). skip_first: the
+        first step of each width pays for warm-up (allocations, graph building): not typical."""
+        self.r, self.decay, self.prior_weight = prior_ratio, decay, prior_weight
+        self.unknown_scale, self.skip_first = unknown_scale, skip_first
+        self.s0 = self.s1 = self.s2 = self.t0 = self.t1 = 0.0
+        self.seen = set()
 
+    def record(self, x: float, seconds: float) -> None:
+        if self.skip_first and x not in self.seen:
+            self.seen.add(x)
+            return
+        d = self.decay
+        self.s0, self.s1, self.s2 = d * self.s0 + 1, d * self.s1 + x, d * self.s2 + x * x
+        self.t0, self.t1 = d * self.t0 + seconds, d * self.t1 + x * seconds
 
-def best_draft_length(alpha: float, max_k: int, cost: StepCost, margin: float = 1.02) -> int:
-    """The k in 0..max_k with the most tokens per unit of cost; 0 unless drafting beats plain
-    decoding by `margin` (a guess that barely pays is not worth its variance)."""
-    best_k, best_rate = 0, margin
-    for k in range(1, max_k + 1):
-        rate = expected_tokens(alpha, k) / cost(k + 1)
-        if rate > best_rate:
-            best_k, best_rate = k, rate
-    return best_k
+    @property
+    def known(self) -> bool:
+        return self.s0 > 0
+
+    def __call__(self, x: float) -> float:
+        if not self.known:
+            return self.unknown_scale * ((1 - self.r) + self.r * x)
+        mx, my = self.s1 / self.s0, self.t0 / self.s0
+        b0 = my * self.r / ((1 - self.r) + self.r * mx)
+        lam = self.prior_weight * self.s0
+        # Minimize sum w (y - a - b x)^2 + lam (b - b0)^2: a 2x2 linear system.
+        det = self.s0 * (self.s2 + lam) - self.s1 * self.s1
+        b = (self.s0 * (self.t1 + lam * b0) - self.s1 * self.t0) / det
+        a = (self.t0 - b * self.s1) / self.s0
+        return max(0.0, a + b * x)

@@ -8,6 +8,7 @@ sync; the target's cache then rolls back by offset to the committed prefix.
 ("text", segment) for text the detokenizer releases only at the end, and finally ("done", Stats).
 """
 
+import secrets
 import time
 from dataclasses import asdict, dataclass
 from typing import Iterator, List, Optional, Sequence
@@ -15,10 +16,10 @@ from typing import Iterator, List, Optional, Sequence
 import mlx.core as mx
 
 from .cache import check_speculation, check_tree, common_prefix_length, make_cache, rollback_to
-from .cost import StepCost
 from .drafters.base import Drafter, NoDrafter
 from .errors import MlxSpecError
-from .sampling import SamplingParams
+from .policy import DraftPolicy
+from .sampling import Sampler, SamplingParams
 from .tree import Tree, compact, tree_forward, verify_tree
 from .verify import verify_chain
 
@@ -32,14 +33,22 @@ class Stats:
     generated_tokens: int = 0
     committed: int = 0          # tokens committed by verification steps (EOS included)
     steps: int = 0
-    proposed: int = 0
+    plain_steps: int = 0        # steps that verified no draft
+    drafted: int = 0            # positions the drafter computed
+    proposed: int = 0           # drafts verified
     accepted: int = 0
     generate_seconds: float = 0.0
     finish_reason: str = ""
+    seed: int = 0               # repeats a sampled output (with the same settings and prompt)
 
     @property
     def tokens_per_step(self) -> float:
         return self.committed / self.steps if self.steps else 0.0
+
+    @property
+    def mean_draft_length(self) -> float:
+        """Drafts verified per step."""
+        return self.proposed / self.steps if self.steps else 0.0
 
     @property
     def acceptance_rate(self) -> float:
@@ -56,7 +65,7 @@ class Stats:
     def as_dict(self) -> dict:
         d = {k: v for k, v in asdict(self).items() if k not in ("committed",)}
         d.update(tokens_per_step=self.tokens_per_step, acceptance_rate=self.acceptance_rate,
-                 tokens_per_second=self.tokens_per_second)
+                 mean_draft_length=self.mean_draft_length, tokens_per_second=self.tokens_per_second)
         return d
 
 
@@ -64,14 +73,18 @@ class Engine:
     """One target, one drafter, one KV cache kept across calls (a chat session)."""
 
     def __init__(self, target, drafter: Optional[Drafter] = None, num_draft_tokens: int = 8,
-                 sampling: SamplingParams = SamplingParams(), seed: int = 0,
-                 cost: Optional[StepCost] = None):
+                 sampling: SamplingParams = SamplingParams(), seed: Optional[int] = None,
+                 residual: bool = False, adaptive: bool = True, policy: Optional[DraftPolicy] = None):
+        """num_draft_tokens: the most drafts per step; adaptive: the policy decides how many
+        (policy.py), else always that many. seed None: a fresh one (reported in the stats, so
+        that the output can be repeated). residual: the classic acceptance rule (sampling.py)."""
         self.target = target
         self.drafter = drafter or NoDrafter()
         self.num_draft_tokens = num_draft_tokens
-        self.sampling = sampling.check(target.vocab_size)
-        self.key = mx.random.key(seed)
-        self.cost = cost or getattr(self.drafter, "cost", None) or StepCost()
+        self.sampler = Sampler(sampling.check(target.vocab_size),
+                               secrets.randbits(32) if seed is None else seed, residual)
+        self.drafter.sampler = self.sampler   # the drafter draws with the same noise
+        self.policy = (policy or DraftPolicy()) if adaptive and not isinstance(self.drafter, NoDrafter) else None
         self.cache = make_cache(target.model)
         if not isinstance(self.drafter, NoDrafter):
             check_speculation(self.cache, target.model_type)
@@ -103,9 +116,16 @@ class Engine:
             self.cached_tokens += chunk
         return {layer: mx.concatenate(hs, axis=1) for layer, hs in pieces.items()}
 
-    def _next_key(self):
-        self.key, key = mx.random.split(self.key)
-        return key
+    def _select(self, draft, drafted: int, tic: float):
+        """The drafts the policy finds worth verifying (their indices in `draft`). Evaluating
+        them here (one sync) measures the drafter's cost and reads its confidences."""
+        if self.policy is None or not len(draft):
+            return draft, list(range(len(draft)))
+        mx.eval(draft.tokens, draft.confidence)
+        self.policy.draft_cost.record(drafted, time.perf_counter() - tic)
+        confidence = draft.confidence.tolist() if isinstance(draft.confidence, mx.array) else draft.confidence
+        kept = self.policy.select(confidence or [None] * len(draft), draft.parent_nodes, drafted)
+        return draft.subset(kept), kept
 
     def _verify(self, context: List[int], draft):
         """One target pass over [last token] + drafts and the verdict, with one sync.
@@ -115,11 +135,10 @@ class Engine:
         # evaluated together with the verification.
         drafts = draft.tokens if isinstance(draft.tokens, mx.array) else mx.array(draft.tokens, mx.int32)
         inputs = mx.concatenate([mx.array(context[-1:], mx.int32), drafts])
-        key = None if self.sampling.greedy else self._next_key()
         start = len(context) - 1
         if draft.parents is None:
             logits, taps = self.target.forward(inputs[None], self.cache, self.drafter.taps)
-            verdict = verify_chain(logits[0], drafts, draft.q, self.sampling, key)
+            verdict = verify_chain(logits[0], drafts, draft.q, self.sampler, len(context))
             mx.eval(verdict, drafts)
             (n_accepted, next_token), drafts = verdict.tolist(), drafts.tolist()
             path = list(range(n_accepted))
@@ -133,12 +152,27 @@ class Engine:
             logits, taps = tree_forward(self.target, inputs, tree, self.cache, self.drafter.taps)
             mx.eval(logits, drafts)
             drafts = drafts.tolist()
-            nodes, next_token = verify_tree(logits[0], drafts, tree, self.sampling, draft.q, key)
+            nodes, next_token = verify_tree(logits[0], drafts, tree, self.sampler, draft.q, len(context))
             compact(self.cache, start, nodes)
             path = [node - 1 for node in nodes[1:]]
             self.cached_tokens = context + [drafts[i] for i in path]
             rows = mx.array(nodes)
         return drafts, path, next_token, {layer: h[:, rows] for layer, h in taps.items()}
+
+    def _step(self, context: List[int], k: int):
+        """Draft up to k, verify what the policy keeps, commit: (positions drafted, the
+        verified drafts, indices of the accepted ones, the target's next token)."""
+        tic = time.perf_counter()
+        proposal = self.drafter.propose(k)
+        draft, kept = self._select(proposal, k, tic)
+        tic = time.perf_counter()
+        drafts, path, next_token, taps = self._verify(context, draft)
+        if self.policy:
+            self.policy.verify_cost.record(1 + len(drafts), time.perf_counter() - tic)
+            self.policy.record(draft.confidence or [None] * len(drafts), draft.parent_nodes, range(len(drafts)), path)
+        self.drafter.commit(len(path), next_token, taps,
+                            **({"path": [kept[i] for i in path]} if draft.parents is not None else {}))
+        return len(proposal), drafts, path, next_token
 
     def _prefill(self, context: List[int]) -> None:
         """Bring the cache to context[:-1], reusing the longest prefix already there."""
@@ -156,7 +190,7 @@ class Engine:
                  stop_strings: Sequence[str] = ()) -> Iterator[tuple]:
         prompt = list(prompt)
         self._check(prompt, max_tokens)
-        stats = Stats(prompt_tokens=len(prompt))
+        stats = Stats(prompt_tokens=len(prompt), seed=self.sampler.seed)
         tic = time.perf_counter()
         self._prefill(prompt)
         stats.prompt_seconds = time.perf_counter() - tic
@@ -167,15 +201,13 @@ class Engine:
         try:
             while not stats.finish_reason:
                 # Never draft past max_tokens: a step commits at most k + 1 tokens.
-                draft = self.drafter.propose(min(self.num_draft_tokens, max_tokens - stats.generated_tokens - 1))
-                step_tic = time.perf_counter()
-                drafts, path, next_token, taps = self._verify(context, draft)
-                self.cost.record(1 + len(drafts), time.perf_counter() - step_tic)
-
+                k = min(self.num_draft_tokens, max_tokens - stats.generated_tokens - 1)
+                k = self.policy.draft_length(k) if self.policy else k
+                drafted, drafts, path, next_token = self._step(context, k)
                 accepted = [drafts[i] for i in path]
-                self.drafter.commit(len(accepted), next_token, taps,
-                                    **({"path": path} if draft.parents is not None else {}))
                 stats.steps += 1
+                stats.plain_steps += not drafts
+                stats.drafted += drafted
                 stats.proposed += len(drafts)
                 stats.accepted += len(accepted)
                 stats.committed += len(accepted) + 1

@@ -3,7 +3,8 @@
 The filters are mlx-lm's own (top-p, min-p, top-k on log-probabilities, in mlx-lm's order),
 then the temperature: exactly the distribution `mlx_lm.sample_utils.make_sampler` draws from."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Sequence
 
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
@@ -52,8 +53,87 @@ def probs(logits: mx.array, params: SamplingParams) -> mx.array:
     return mx.exp(log_probs(logits, params))
 
 
-def sample(logits: mx.array, params: SamplingParams, key: mx.array) -> mx.array:
-    """One token per row of logits: argmax when greedy, else a draw from `probs`."""
-    if params.greedy:
-        return mx.argmax(logits, axis=-1)
-    return mx.random.categorical(log_probs(logits, params), key=key)
+class Sampler:
+    """The sampling settings and the randomness of one generation, shared by the target's
+    verification and the drafter's draws.
+
+    Default rule (reproducible): the token at absolute position i is argmax(log p_i + g_i), with
+    g_i Gumbel noise keyed by (seed, i) over the target's vocabulary. Whatever the draft source,
+    draft length or timing, position i meets the same g_i, so the output depends only on the
+    target, the settings, the prompt and the seed; a draft is accepted when it equals that
+    token, and a sampling drafter draws argmax(log q_i + g_i) with the same noise, which makes
+    it agree with the target as often as their distributions allow.
+
+    residual=True: the classic rule (accept x with min(1, p/q), else draw from norm(max(0, p -
+    q))), which needs q and its own random stream: exact, but the tokens for a seed depend on the
+    draft source and on the lengths drafted."""
+
+    def __init__(self, params: SamplingParams = SamplingParams(), seed: int = 0, residual: bool = False):
+        self.params, self.residual = params, residual
+        self.reseed(seed)
+
+    def reseed(self, seed: int) -> None:
+        self.seed, self._keys = seed, {}
+
+    @property
+    def greedy(self) -> bool:
+        return self.params.greedy
+
+    @property
+    def needs_q(self) -> bool:
+        """Whether verification needs the drafts' distributions."""
+        return self.residual and not self.greedy
+
+    def next_key(self, stream: str) -> mx.array:
+        """The residual rule's draws: one stream for verification, one for the drafter."""
+        if stream not in self._keys:
+            self._keys[stream] = mx.random.split(mx.random.key(self.seed))[int(stream == "draft")]
+        self._keys[stream], key = mx.random.split(self._keys[stream])
+        return key
+
+    def noise(self, positions: Sequence[int], vocab_size: int) -> mx.array:
+        """[len(positions), vocab_size] Gumbel noise, one row per absolute position."""
+        seed = (self.seed & 0xFFFFFFFF) << 32
+        distinct = sorted(set(positions))
+        rows = mx.stack([mx.random.gumbel(shape=(vocab_size,), key=mx.random.key(seed | (p & 0xFFFFFFFF)))
+                         for p in distinct])
+        if distinct == list(positions):
+            return rows
+        return rows[mx.array([distinct.index(p) for p in positions])]
+
+    def choose(self, logits: mx.array, positions: Sequence[int]) -> mx.array:
+        """The target's tokens [n] from its logits [n, V] for the given positions."""
+        if self.greedy:
+            return mx.argmax(logits, axis=-1)
+        noise = self.noise(positions, logits.shape[-1])
+        return mx.argmax(log_probs(logits, self.params) + noise, axis=-1)
+
+    def draw(self, logits: mx.array, positions: Sequence[int], vocab_size: int, ids: mx.array = None):
+        """A drafter's tokens [n] (target ids) from its logits [n, w] for the given
+        positions; ids[j] is the target id of column j (None: column j is id j). Returns
+        (tokens, q, confidence): q [n, vocab_size] the distributions drawn from, only where
+        verification needs them (the residual rule), else None; confidence [n] the drafter's
+        probability of each token (at the sampling settings), for the draft-length policy."""
+        if self.greedy:
+            tokens, q = mx.argmax(logits, axis=-1), None
+            log_q = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        else:
+            params = self.params
+            if params.top_k >= logits.shape[-1]:   # a narrow draft head: top-k keeps it all
+                params = replace(params, top_k=0)
+            log_q = log_probs(logits, params)
+            if self.residual:
+                tokens = mx.random.categorical(log_q, key=self.next_key("draft"))
+                q = mx.exp(log_q)
+                if ids is not None:
+                    q = mx.zeros((q.shape[0], vocab_size), q.dtype).at[:, ids].add(q)
+                elif q.shape[-1] < vocab_size:   # a draft head narrower than the target's
+                    q = mx.pad(q, [(0, 0), (0, vocab_size - q.shape[-1])])
+            else:
+                noise = self.noise(positions, vocab_size)
+                noise = noise[:, ids] if ids is not None else noise[:, :logits.shape[-1]]
+                tokens, q = mx.argmax(log_q + noise, axis=-1), None
+        confidence = mx.exp(mx.take_along_axis(log_q, tokens[:, None], axis=-1)[:, 0])
+        if ids is not None:
+            tokens = ids[tokens]
+        return tokens.astype(mx.int32), q, confidence

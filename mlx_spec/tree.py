@@ -111,19 +111,21 @@ def compact(cache, start: int, path: Sequence[int]) -> None:
         c.offset = end
 
 
-def verify_tree(logits: mx.array, tokens: Sequence[int], tree: Tree, params,
-                q: Optional[mx.array], key) -> (List[int], int):
+def verify_tree(logits: mx.array, tokens: Sequence[int], tree: Tree, sampler, q: Optional[mx.array],
+                first_position: int) -> (List[int], int):
     """Walk the tree from the root: (accepted path of node indices, the target's next token).
 
-    Greedy: follow the child whose token is the target's argmax. Sampling: at each node try the
-    children in order with the chain rule (accept x with min(1, r(x)/q(x)), else r <- norm(max(0,
-    r - q))); if none is accepted, sample from what is left of r. q[i] is the distribution draft i
-    was drawn from (None: deterministic drafts, one-hot)."""
+    Greedy and the default sampling rule: the target's token at each node is `Sampler.choose`
+    for the position it predicts (first_position + its depth: siblings share the noise); follow
+    the child that drafted it. The residual rule: at each node try the children in order with
+    the chain rule (accept x with min(1, r(x)/q(x)), else r <- norm(max(0, r - q))); if none is
+    accepted, sample from what is left of r. q[i] is the distribution draft i was drawn from
+    (None: deterministic drafts, one-hot)."""
     from .sampling import probs
 
     node_tokens = [None] + list(tokens)
-    if params.greedy:
-        best = mx.argmax(logits, axis=-1).tolist()
+    if sampler.greedy or not sampler.residual:
+        best = sampler.choose(logits, [first_position + d for d in tree.depths]).tolist()
         path = [0]
         while True:
             follow = [c for c in tree.children[path[-1]] if node_tokens[c] == best[path[-1]]]
@@ -131,9 +133,9 @@ def verify_tree(logits: mx.array, tokens: Sequence[int], tree: Tree, params,
                 return path, best[path[-1]]
             path.append(follow[0])
 
-    p = np.array(probs(logits, params), dtype=np.float64)
+    p = np.array(probs(logits, sampler.params), dtype=np.float64)
     q = None if q is None else np.array(q, dtype=np.float64)
-    rng = np.random.default_rng(int(mx.random.randint(0, 2**31 - 1, key=key).item()))
+    rng = np.random.default_rng(int(mx.random.randint(0, 2**31 - 1, key=sampler.next_key("verify")).item()))
     path = [0]
     while True:
         residual = p[path[-1]].copy()

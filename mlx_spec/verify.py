@@ -1,31 +1,37 @@
-"""Acceptance rules. Everything is computed on the device; the caller syncs once per step.
+"""Acceptance rules for a chain of drafts. Everything is computed on the device; the caller
+syncs once per step.
 
-Chain (Leviathan et al.): accept draft x_i with probability min(1, p_i(x_i) / q_i(x_i)); at the
-first rejection sample from norm(max(0, p_i - q_i)); if all k drafts pass, sample the bonus
-token from p_k. Deterministic drafts have one-hot q: x is accepted with probability p(x) and
-the replacement comes from p without x. Greedy: accept while x_i == argmax p_i.
+Greedy, and sampling by the default (seeded) rule: the target's token at each position is
+`Sampler.choose` (argmax, or argmax of log-probabilities plus that position's Gumbel noise);
+drafts are accepted while they equal it, and the target's token follows.
+
+The residual rule (Leviathan et al.): accept draft x_i with probability min(1, p_i(x_i) /
+q_i(x_i)); at the first rejection sample from norm(max(0, p_i - q_i)); if all k drafts pass,
+sample the bonus token from p_k. Deterministic drafts have one-hot q: x is accepted with
+probability p(x) and the replacement comes from p without x.
 """
 
 from typing import Optional
 
 import mlx.core as mx
 
-from .sampling import SamplingParams, probs
+from .sampling import Sampler, probs
 
 
-def verify_chain(logits: mx.array, drafts: mx.array, q: Optional[mx.array],
-                 params: SamplingParams, key: Optional[mx.array]) -> mx.array:
-    """logits [k+1, V] of the target at [last token, x_1..x_k]; drafts [k] (int);
-    q [k, V] draft probabilities, or None for deterministic (one-hot) drafts.
-    Returns int32 [2]: (number of accepted drafts n, the target's token after them)."""
+def verify_chain(logits: mx.array, drafts: mx.array, q: Optional[mx.array], sampler: Sampler,
+                 first_position: int) -> mx.array:
+    """logits [k+1, V] of the target at [last token, x_1..x_k], which predict the tokens at
+    first_position..; drafts [k] (int); q [k, V] draft probabilities (the residual rule only;
+    None for deterministic drafts). Returns int32 [2]: (accepted drafts n, the target's token
+    after them)."""
     k = drafts.shape[0]
-    if params.greedy:
-        target = mx.argmax(logits, axis=-1)
+    if not sampler.residual or sampler.greedy:
+        target = sampler.choose(logits, range(first_position, first_position + k + 1))
         n = mx.cumprod((drafts == target[:k]).astype(mx.int32)).sum() if k else mx.array(0)
         return mx.stack([n, target[n]]).astype(mx.int32)
 
-    accept_key, sample_key = mx.random.split(key)
-    p = probs(logits, params)                                       # [k+1, V]
+    accept_key, sample_key = mx.random.split(sampler.next_key("verify"))
+    p = probs(logits, sampler.params)                               # [k+1, V]
     rows = mx.arange(k)
     p_x = p[rows, drafts]                                           # [k]
     if q is None:

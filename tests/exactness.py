@@ -30,8 +30,10 @@ def exact_distribution(target, prompt, n_tokens, params):
 
 
 def draw(engine: Engine, prompt, n_tokens, n_samples):
+    """n_samples generations, each with its own seed (a seed fixes the output)."""
     counts = Counter()
-    for _ in range(n_samples):
+    for seed in range(n_samples):
+        engine.sampler.reseed(seed)
         tokens = []
         for event in engine.generate(prompt, max_tokens=n_tokens):
             if event[0] == "token":

@@ -38,7 +38,8 @@ def test_generate_json_matches_the_stream():
     assert set(result) == {"text", "tokens", "stats"}
     assert set(result["stats"]) == {"prompt_tokens", "generated_tokens", "steps", "tokens_per_step",
                                     "acceptance_rate", "tokens_per_second", "prompt_seconds",
-                                    "generate_seconds"}
+                                    "generate_seconds", "seed", "mean_draft_length", "plain_steps",
+                                    "drafted", "finish_reason"}
     assert result["stats"]["generated_tokens"] == len(result["tokens"]) <= 24
     code, streamed, err = cli(["generate", "List three fruits.", "--max-tokens", "24", "--draft", "none"])
     assert code == 0

@@ -217,8 +217,8 @@ def test_context_is_the_targets_features_of_every_committed_token(tmp_path, qwen
     model, _, _ = random_dflash(tmp_path, target, target_layer_ids=(3, 0), block_size=4)
     # Sampled hot, so that random drafts are often accepted, several in a row.
     params = SamplingParams(temp=3.0)
-    drafter = Recorder(target, model, params, 3)
-    engine = Engine(target, drafter, num_draft_tokens=3, sampling=params, seed=2)
+    drafter = Recorder(target, model)
+    engine = Engine(target, drafter, num_draft_tokens=3, sampling=params, seed=2, adaptive=False)
     first, _ = run(engine, PROMPT, 24)
     run(engine, PROMPT + first + [4, 4, 2], 12)   # a session: the whole cache is reused
     run(engine, PROMPT[:6] + [4, 4, 2], 12)       # a prompt that diverges: rolled back
@@ -232,15 +232,16 @@ def test_context_is_the_targets_features_of_every_committed_token(tmp_path, qwen
         assert mx.allclose(logits, expected, atol=1e-4).item(), len(tokens)
 
 
+@pytest.mark.parametrize("adaptive", [False, True])
 @pytest.mark.parametrize("k", [1, 3, 7, 20])
-def test_greedy_is_token_identical(tmp_path, qwen3, k):
+def test_greedy_is_token_identical(tmp_path, qwen3, k, adaptive):
     target = qwen3
     expected = plain_greedy(target.model, PROMPT, 40)
     model, _, _ = random_dflash(tmp_path, target, seed=k)
-    engine = Engine(target, DFlashDrafter(target, model, SamplingParams()), num_draft_tokens=k)
+    engine = Engine(target, DFlashDrafter(target, model), num_draft_tokens=k, adaptive=adaptive)
     tokens, stats = run(engine, PROMPT, 40)
     assert tokens == expected
-    assert stats.proposed > 0
+    assert adaptive or stats.proposed > 0
     assert stats.proposed <= stats.steps * min(k, model.args.block_size - 1)
 
 
@@ -255,7 +256,7 @@ def test_greedy_on_the_default_model(tmp_path):
     model, _, _ = random_dflash(tmp_path, target, num_layers=5, heads=9, kv_heads=3, head_dim=64,
                                 block_size=16, mask_token_id=2, target_layer_ids=None)
     assert model.args.target_layer_ids == [1, 8, 14, 20, 27]   # round half to even, as z-lab
-    engine = Engine(target, DFlashDrafter(target, model, SamplingParams()), num_draft_tokens=15)
+    engine = Engine(target, DFlashDrafter(target, model), num_draft_tokens=15, adaptive=False)
     tokens, stats = run(engine, prompt, 48)
     assert tokens == plain_greedy(target.model, prompt, 48)
     assert stats.proposed > 0
@@ -267,8 +268,7 @@ def test_sampled_output_is_exact(tmp_path):
     model, _, _ = random_dflash(tmp_path, target, num_layers=1, target_layer_ids=(-1, 0), block_size=4)
     params = SamplingParams(temp=1.0, top_k=10)   # q is filtered as p is
     prompt = repeated_prompt()
-    engine = Engine(target, DFlashDrafter(target, model, params, seed=5), num_draft_tokens=3,
-                    sampling=params, seed=1)
+    engine = Engine(target, DFlashDrafter(target, model), num_draft_tokens=3, sampling=params, adaptive=False)
     counts = draw(engine, prompt, 3, 20_000)
     pvalue = chi_square_pvalue(counts, exact_distribution(target, prompt, 3, params), 20_000)
     assert pvalue > 1e-3, f"p = {pvalue:.2e}"

@@ -15,7 +15,7 @@ from mlx_spec.engine import Engine
 from mlx_spec.errors import MlxSpecError
 from mlx_spec.models.eagle3 import Model, ModelArgs, default_layer_ids, load_eagle3
 from mlx_spec.models.target import Target
-from mlx_spec.sampling import SamplingParams
+from mlx_spec.sampling import Sampler, SamplingParams
 
 GREEDY = SamplingParams()
 PROMPT = [1, 5, 7, 9, 11, 13, 2, 5, 7, 9, 11, 13, 2, 5, 7]
@@ -144,8 +144,8 @@ def test_both_layouts_load_the_same_model(target, checkpoints):
     assert all(mx.array_equal(flat_a[k], flat_b[k]) for k in flat_a)
     drafts = []
     for model in (a, b):
-        drafter = EagleDrafter(model, GREEDY, target.vocab_size)
-        tokens, _ = run(Engine(target, drafter, num_draft_tokens=4), PROMPT, 12)
+        drafter = EagleDrafter(model, target.vocab_size)
+        tokens, _ = run(Engine(target, drafter, num_draft_tokens=4, adaptive=False), PROMPT, 12)
         drafter.propose(5)
         drafts.append((tokens, drafter.pending.tolist()))
     assert drafts[0] == drafts[1]
@@ -156,8 +156,8 @@ def test_drafts_equal_a_recomputation_from_scratch(target, checkpoints):
     """The cache kept across steps (and across generations) holds exactly the pairs
     (token t+1, target feature t) that a fresh pass over the whole context would."""
     model = load_eagle3(checkpoints["safeailab"], target)
-    drafter = CheckedDrafter(target, model, GREEDY, target.vocab_size)
-    engine = Engine(target, drafter, num_draft_tokens=3)
+    drafter = CheckedDrafter(target, model, target.vocab_size)
+    engine = Engine(target, drafter, num_draft_tokens=3, adaptive=False)
     accepted = [event[2] for event in engine.generate(PROMPT, max_tokens=60) if event[0] == "step"]
     tokens = drafter.context[len(PROMPT):]
     run(engine, PROMPT + tokens + [3, 4], 10)  # a second turn reuses the session's cache
@@ -166,16 +166,17 @@ def test_drafts_equal_a_recomputation_from_scratch(target, checkpoints):
         assert drafts.tolist() == expected
 
 
-@pytest.mark.parametrize("layout", ["safeailab", "speculators"])
+@pytest.mark.parametrize("layout,adaptive", [("safeailab", False), ("speculators", False), ("safeailab", True)])
 @pytest.mark.parametrize("k", [1, 3, 6])
-def test_greedy_is_token_identical(target, checkpoints, layout, k):
+def test_greedy_is_token_identical(target, checkpoints, layout, adaptive, k):
+    """Every draft verified, or those the policy keeps."""
     expected = plain_greedy(target.model, PROMPT, 40)
-    engine = Engine(target, EagleDrafter(load_eagle3(checkpoints[layout], target), GREEDY, target.vocab_size),
-                    num_draft_tokens=k)
+    engine = Engine(target, EagleDrafter(load_eagle3(checkpoints[layout], target), target.vocab_size),
+                    num_draft_tokens=k, adaptive=adaptive)
     for prompt in (PROMPT, PROMPT):  # the second run finds its prompt in the session's cache
         tokens, stats = run(engine, prompt, 40)
         assert tokens == expected
-        assert stats.proposed > 0
+        assert adaptive or stats.proposed > 0
 
 
 def test_own_embedding_and_width(target, tmp_path):
@@ -185,7 +186,7 @@ def test_own_embedding_and_width(target, tmp_path):
     loaded = load_eagle3(path, target)
     assert loaded.args.has_embedding and loaded.args.hidden_size == 48
     assert mx.array_equal(loaded.embed(mx.array([3])), model.embed_tokens(mx.array([3])))
-    engine = Engine(target, EagleDrafter(loaded, GREEDY, target.vocab_size), num_draft_tokens=3)
+    engine = Engine(target, EagleDrafter(loaded, target.vocab_size), num_draft_tokens=3, adaptive=False)
     assert run(engine, PROMPT, 30)[0] == plain_greedy(target.model, PROMPT, 30)
 
 
@@ -226,7 +227,8 @@ def test_sampled_drafts_come_with_their_filtered_q(target, checkpoints, top_k):
     from mlx_lm.models.cache import make_prompt_cache
 
     params = SamplingParams(temp=0.7, top_k=top_k, top_p=0.95)
-    drafter = EagleDrafter(load_eagle3(checkpoints["safeailab"], target), params, VOCAB, seed=2)
+    drafter = EagleDrafter(load_eagle3(checkpoints["safeailab"], target), VOCAB)
+    drafter.sampler = Sampler(params, seed=0, residual=True)   # q is reported for this rule only
     _, taps = target.forward(mx.array(PROMPT[:-1])[None], make_prompt_cache(target.model), drafter.taps)
     drafter.prefill(PROMPT, taps, 0)
     draft = drafter.propose(4)
@@ -241,8 +243,8 @@ def test_sampled_drafts_come_with_their_filtered_q(target, checkpoints, top_k):
 def test_exact_sampling(tmp_path, tree_budget):
     target, prompt, params = eagle_target(), repeated_prompt(), SamplingParams(temp=1.0)
     path = save_eagle(random_eagle(target, seed=5, scale=2.0), tmp_path / "e", "speculators")
-    drafter = EagleDrafter(load_eagle3(path, target), params, VOCAB, seed=5, tree_budget=tree_budget, tree_topk=2)
-    engine = Engine(target, drafter, num_draft_tokens=3, sampling=params, seed=1)
+    drafter = EagleDrafter(load_eagle3(path, target), VOCAB, tree_budget=tree_budget, tree_topk=2)
+    engine = Engine(target, drafter, num_draft_tokens=3, sampling=params, seed=1, adaptive=False)
     n_tokens, n_samples = 3, 20_000
     counts = draw(engine, prompt, n_tokens, n_samples)
     pvalue = chi_square_pvalue(counts, exact_distribution(target, prompt, n_tokens, params), n_samples)
@@ -301,9 +303,18 @@ def test_load_errors(target, tmp_path):
 @pytest.mark.parametrize("budget, topk, k", [(4, 2, 3), (12, 3, 4), (30, 4, 6)])
 def test_tree_greedy_is_token_identical(target, checkpoints, budget, topk, k):
     model = load_eagle3(checkpoints["safeailab"], target)
-    drafter = EagleDrafter(model, GREEDY, target.vocab_size, tree_budget=budget, tree_topk=topk)
+    drafter = EagleDrafter(model, target.vocab_size, tree_budget=budget, tree_topk=topk)
     expected = plain_greedy(target.model, PROMPT, 40)
-    tokens, stats = run(Engine(target, drafter, num_draft_tokens=k), PROMPT, 40)
+    tokens, stats = run(Engine(target, drafter, num_draft_tokens=k, adaptive=False), PROMPT, 40)
     assert tokens == expected
     assert stats.proposed <= stats.steps * budget
 
+
+
+@pytest.mark.parametrize("tree_budget", [0, 6], ids=["chain", "tree"])
+def test_one_token_prompt(target, checkpoints, tree_budget):
+    """Nothing to prefill, so no feature yet: the first step is plain, then drafting starts."""
+    drafter = EagleDrafter(load_eagle3(checkpoints["safeailab"], target), target.vocab_size,
+                           tree_budget=tree_budget, tree_topk=2)
+    tokens, stats = run(Engine(target, drafter, num_draft_tokens=3, adaptive=False), [5], 16)
+    assert tokens == plain_greedy(target.model, [5], 16) and stats.proposed > 0

@@ -24,7 +24,7 @@ def test_lookup_is_token_identical(arch, k):
     target = tiny_target(arch)
     expected = plain_greedy(target.model, PROMPT, 80)
     for adaptive in (False, True):
-        engine = Engine(target, LookupDrafter(adaptive=adaptive), num_draft_tokens=k)
+        engine = Engine(target, LookupDrafter(), num_draft_tokens=k, adaptive=adaptive)
         tokens, stats = run(engine, PROMPT, 80)
         assert tokens == expected, (k, adaptive)
         assert stats.committed == 80 and stats.generated_tokens == 80
@@ -37,7 +37,7 @@ def test_lookup_is_token_identical(arch, k):
 def test_every_acceptance_length(wrong_every, k):
     target = tiny_target("llama", seed=1)
     expected = plain_greedy(target.model, PROMPT, 50)
-    engine = Engine(target, ScriptedDrafter(expected, wrong_every, 32), num_draft_tokens=k)
+    engine = Engine(target, ScriptedDrafter(expected, wrong_every, 32), num_draft_tokens=k, adaptive=False)
     tokens, stats = run(engine, PROMPT, 50)
     assert tokens == expected
     assert stats.accepted > 0
@@ -49,7 +49,7 @@ def test_every_acceptance_length(wrong_every, k):
 def test_max_tokens_exact_inside_a_draft(max_tokens):
     target = tiny_target("llama", seed=2)
     expected = plain_greedy(target.model, PROMPT, max_tokens)
-    engine = Engine(target, ScriptedDrafter(expected + [0] * 20, 1000, 32), num_draft_tokens=6)
+    engine = Engine(target, ScriptedDrafter(expected + [0] * 20, 1000, 32), num_draft_tokens=6, adaptive=False)
     tokens, stats = run(engine, PROMPT, max_tokens)
     assert tokens == expected and len(tokens) == max_tokens
     assert stats.finish_reason == "length"
@@ -62,7 +62,7 @@ def test_eos_inside_a_draft():
     first = reference.index(eos)
     target.tokenizer = None
     target.eos_token_ids = [eos]
-    engine = Engine(target, ScriptedDrafter(reference, 1000, 32), num_draft_tokens=6)
+    engine = Engine(target, ScriptedDrafter(reference, 1000, 32), num_draft_tokens=6, adaptive=False)
     tokens, stats = run(engine, PROMPT, 40)
     assert tokens == reference[:first]          # EOS is not part of the output
     assert stats.finish_reason == "eos"

@@ -40,7 +40,7 @@ class ArgmaxWithSoftmaxQ(DraftModelDrafter):
             if i:
                 logits, _ = self.draft.forward(drafts[-1].reshape(1, 1), self.cache)
             drafts.append(mx.argmax(logits[0, -1]))
-            qs.append(probs(logits[0, -1], self.sampling))
+            qs.append(probs(logits[0, -1], self.sampler.params))
         self.pending = mx.stack(drafts).astype(mx.int32)
         return Draft(tokens=self.pending, q=mx.stack(qs))
 
@@ -48,19 +48,22 @@ class ArgmaxWithSoftmaxQ(DraftModelDrafter):
 TEMP_1 = SamplingParams(temp=1.0)
 FILTERED = SamplingParams(temp=0.7, top_k=6, top_p=0.95)
 CASES = {
-    "lookup": (TEMP_1, lambda target, params: LookupDrafter(adaptive=False)),
-    "model-different": (TEMP_1, lambda target, params: DraftModelDrafter(harness_model(12), params, VOCAB, seed=5)),
-    "model-identical": (TEMP_1, lambda target, params: DraftModelDrafter(target, params, VOCAB, seed=6)),
-    "model-different-filtered": (FILTERED, lambda target, params: DraftModelDrafter(harness_model(12), params, VOCAB, seed=7)),
+    "lookup": (TEMP_1, lambda target, params: LookupDrafter()),
+    "model-different": (TEMP_1, lambda target, params: DraftModelDrafter(harness_model(12), VOCAB)),
+    "model-identical": (TEMP_1, lambda target, params: DraftModelDrafter(target, VOCAB)),
+    "model-different-filtered": (FILTERED, lambda target, params: DraftModelDrafter(harness_model(12), VOCAB)),
 }
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_exact_sampling(setup, case):
+@pytest.mark.parametrize("case,residual,adaptive", [(case, False, False) for case in CASES] +
+                         [("model-different", True, False), ("model-different-filtered", True, False),
+                          ("model-different", False, True)])
+def test_exact_sampling(setup, case, residual, adaptive):
+    """Every draft verified (fixed length), or as many as the draft-length policy chooses."""
     target, prompt = setup
     params, make = CASES[case]
     drafter = make(target, params)
-    engine = Engine(target, drafter, num_draft_tokens=3, sampling=params, seed=1)
+    engine = Engine(target, drafter, num_draft_tokens=3, sampling=params, residual=residual, adaptive=adaptive)
     counts = draw(engine, prompt, N_TOKENS, N_SAMPLES)
     pvalue = chi_square_pvalue(counts, exact_distribution(target, prompt, N_TOKENS, params), N_SAMPLES)
     assert pvalue > STRICT, f"{case}: p = {pvalue:.2e}"
@@ -70,7 +73,7 @@ def test_harness_catches_a_broken_rule(setup):
     target, prompt = setup
     params = SamplingParams(temp=1.0)
     exact = exact_distribution(target, prompt, N_TOKENS, params)
-    engine = Engine(target, ArgmaxWithSoftmaxQ(harness_model(12), params, VOCAB, seed=5), num_draft_tokens=3,
-                    sampling=params, seed=1)
+    engine = Engine(target, ArgmaxWithSoftmaxQ(harness_model(12), VOCAB), num_draft_tokens=3,
+                    sampling=params, residual=True, adaptive=False)
     counts = draw(engine, prompt, N_TOKENS, N_SAMPLES)
     assert chi_square_pvalue(counts, exact, N_SAMPLES) < 1e-6

@@ -159,7 +159,7 @@ def test_eagle_training_lowers_the_loss_and_drafts_losslessly(target, data, tmp_
 
     model = load_eagle3(tmp_path / "eagle", target)
     prompt = json.loads((data / "train.jsonl").read_text().splitlines()[0])["prompt_tokens"]
-    engine = Engine(target, EagleDrafter(model, GREEDY, VOCAB), num_draft_tokens=4)
+    engine = Engine(target, EagleDrafter(model, VOCAB), num_draft_tokens=4, adaptive=False)
     tokens, stats = run(engine, prompt, 24)
     assert tokens == plain_greedy(target.model, prompt, 24)
     assert stats.accepted > 0          # it learned something of the target's answers
@@ -178,7 +178,7 @@ def test_dflash_training_lowers_the_loss_and_drafts_losslessly(target, data, tmp
 
     model = load_dflash(tmp_path / "dflash", target)
     prompt = json.loads((data / "train.jsonl").read_text().splitlines()[1])["prompt_tokens"]
-    engine = Engine(target, DFlashDrafter(target, model, GREEDY), num_draft_tokens=3)
+    engine = Engine(target, DFlashDrafter(target, model), num_draft_tokens=3, adaptive=False)
     tokens, stats = run(engine, prompt, 24)
     assert tokens == plain_greedy(target.model, prompt, 24)
     assert stats.accepted > 0

@@ -100,7 +100,7 @@ def test_tree_greedy_is_token_identical():
     target = tiny_target("llama", seed=5)
     prompt = [1, 5, 7, 9, 11, 13, 2, 5, 7]
     expected = plain_greedy(target.model, prompt, 40)
-    engine = Engine(target, ScriptedTreeDrafter(expected, 32), num_draft_tokens=8)
+    engine = Engine(target, ScriptedTreeDrafter(expected, 32), num_draft_tokens=8, adaptive=False)
     tokens, stats = run(engine, prompt, 40)
     assert tokens == expected
     assert stats.tokens_per_step > 3.5            # the whole 3-deep path is accepted each step
@@ -130,8 +130,9 @@ class FixedTreeDrafter(Drafter):
         self.last = next_token
 
 
+@pytest.mark.parametrize("residual", [False, True], ids=["seeded", "residual"])
 @pytest.mark.parametrize("stochastic", [False, True], ids=["one-hot", "iid-siblings"])
-def test_tree_sampling_is_exact(stochastic):
+def test_tree_sampling_is_exact(stochastic, residual):
     from test_exactness import N_SAMPLES, N_TOKENS, STRICT, harness_model
 
     target, prompt = harness_model(11), repeated_prompt()
@@ -140,7 +141,8 @@ def test_tree_sampling_is_exact(stochastic):
     if stochastic:
         q = np.random.default_rng(3).dirichlet(np.ones(VOCAB)).astype(np.float32)
         q = q / q.sum()
-    engine = Engine(target, FixedTreeDrafter([0, 0, 1, 2], q), num_draft_tokens=3, sampling=params, seed=2)
+    engine = Engine(target, FixedTreeDrafter([0, 0, 1, 2], q), num_draft_tokens=3, sampling=params,
+                    residual=residual, adaptive=False)
     counts = draw(engine, prompt, N_TOKENS, N_SAMPLES)
     pvalue = chi_square_pvalue(counts, exact_distribution(target, prompt, N_TOKENS, params), N_SAMPLES)
     assert pvalue > STRICT, pvalue

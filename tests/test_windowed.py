@@ -61,11 +61,11 @@ def test_plain_decoding_runs_every_cache(arch):
 def test_windowed_speculation_is_token_identical(arch, k):
     target = target_of(arch)
     expected = plain_greedy(target.model, PROMPT, 40)
-    for drafter in (LookupDrafter(adaptive=False),
+    for drafter in (LookupDrafter(),
                     ScriptedDrafter(expected, 3, 32),
                     ScriptedDrafter(expected, 100, 32),
-                    DraftModelDrafter(target_of(arch), SamplingParams(), 32)):
-        tokens, stats = run(Engine(target, drafter, num_draft_tokens=k), PROMPT, 40)
+                    DraftModelDrafter(target_of(arch), 32)):
+        tokens, stats = run(Engine(target, drafter, num_draft_tokens=k, adaptive=False), PROMPT, 40)
         assert tokens == expected, (type(drafter).__name__, k)
         assert stats.proposed > 0
 
@@ -75,7 +75,7 @@ def test_every_acceptance_length_past_the_window(arch):
     target = target_of(arch, seed=1)
     expected = plain_greedy(target.model, PROMPT, 40)
     for wrong_every in (2, 4, 5, 7):
-        engine = Engine(target, ScriptedDrafter(expected, wrong_every, 32), num_draft_tokens=8)
+        engine = Engine(target, ScriptedDrafter(expected, wrong_every, 32), num_draft_tokens=8, adaptive=False)
         tokens, stats = run(engine, PROMPT, 40)
         assert tokens == expected, wrong_every
         assert 0 < stats.accepted < stats.proposed
@@ -85,7 +85,7 @@ def test_every_acceptance_length_past_the_window(arch):
 def test_chat_crossing_the_window_stays_identical(arch):
     """A conversation shorter than the window at first, well past it later; lookup drafts."""
     target = target_of(arch, seed=2)
-    engine = Engine(target, LookupDrafter(adaptive=False), num_draft_tokens=4)
+    engine = Engine(target, LookupDrafter(), num_draft_tokens=4, adaptive=False)
     context = [1, 5, 7]
     for turn in range(4):
         expected = plain_greedy(target.model, context, 9)
@@ -101,7 +101,7 @@ def test_recurrent_speculation_is_refused_before_any_token(arch):
     with pytest.raises(MlxSpecError, match=f"cannot roll back the ArraysCache of this {arch} model"):
         Engine(target, LookupDrafter())
     with pytest.raises(MlxSpecError, match="a draft model cannot roll back"):
-        DraftModelDrafter(target, SamplingParams(), 32)
+        DraftModelDrafter(target, 32)
 
 
 def test_rotating_rollback_equals_a_plain_run():

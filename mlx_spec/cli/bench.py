@@ -13,17 +13,26 @@ from .common import echo_err, reports_errors
               help="METHOD=PATH (or PATH for every method that needs one); repeatable.")
 @click.option("--num-draft-tokens", type=click.IntRange(0), default=None,
               help="Most drafts per step, for every method (default: each method's own).")
+@click.option("--tree-budget", type=click.IntRange(0, 512), default=0, show_default=True,
+              help="eagle: a tree of this many nodes (0: a chain); ddtree: the most nodes (0: 16).")
+@click.option("--tree-topk", type=click.IntRange(1, 64), default=None,
+              help="eagle: children per expanded node [8]; ddtree: candidates per position [4].")
 @click.option("--max-tokens", "-m", type=click.IntRange(1), default=128, show_default=True)
 @click.option("--repeats", type=click.IntRange(1), default=3, show_default=True)
 @click.option("--temp", type=float, default=0.0, show_default=True)
 @click.option("--top-p", type=float, default=1.0, show_default=True)
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True,
+              help="Sampling seed, the same for every method (which then all print the same text).")
+@click.option("--adaptive/--fixed", default=True, show_default=True,
+              help="Let the policy choose how many drafts to verify, or always --num-draft-tokens.")
+@click.option("--residual-sampling", "residual", is_flag=True,
+              help="Accept sampled drafts by the residual rule (not reproducible across methods).")
 @click.option("--json", "json_path", default=None, help="Write every per-prompt record here.")
 @click.option("--markdown", "markdown_path", default=None, help="Write the table as Markdown here.")
 @click.option("--plot", "plot_path", default=None, help="Write a PNG plot here (needs matplotlib).")
 @reports_errors
 def bench(model_path, dtype, prompts, categories, methods, draft_models, num_draft_tokens,
-          max_tokens, repeats, temp, top_p, seed, json_path, markdown_path, plot_path):
+          tree_budget, tree_topk, max_tokens, repeats, temp, top_p, seed, adaptive, residual, json_path, markdown_path, plot_path):
     """Time draft methods side by side with plain mlx_lm.stream_generate."""
     from .. import bench as harness
     from ..drafters import draft_tokens, make_drafter
@@ -50,9 +59,10 @@ def bench(model_path, dtype, prompts, categories, methods, draft_models, num_dra
     engines, lengths = {}, {}
     for name in names:
         lengths[name] = draft_tokens(name, num_draft_tokens)
-        drafter = make_drafter(name, target, dict(draft_model=paths.get(name), sampling=sampling, seed=seed,
-                                                  num_draft_tokens=lengths[name], dtype=dtype))
-        engines[name] = Engine(target, drafter, num_draft_tokens=lengths[name], sampling=sampling, seed=seed)
+        drafter = make_drafter(name, target, dict(draft_model=paths.get(name), num_draft_tokens=lengths[name],
+                                                  dtype=dtype, tree_budget=tree_budget, tree_topk=tree_topk))
+        engines[name] = Engine(target, drafter, num_draft_tokens=lengths[name], sampling=sampling, seed=seed,
+                               residual=residual, adaptive=adaptive)
     if not engines:
         raise MlxSpecError("--methods names no method")
 
@@ -62,7 +72,9 @@ def bench(model_path, dtype, prompts, categories, methods, draft_models, num_dra
                                     progress=bar.update)
     rows = harness.summarize(records)
     meta = harness.machine_info(target, {name: paths.get(name) for name in names})
-    meta.update(max_tokens=max_tokens, repeats=repeats, temp=temp, num_draft_tokens=lengths)
+    meta.update(max_tokens=max_tokens, repeats=repeats, temp=temp, num_draft_tokens=lengths,
+                sampling_rule="residual" if residual else "seeded", adaptive=adaptive,
+                tree_budget=tree_budget, tree_topk=tree_topk)
     click.echo(harness.render_table(rows))
     if json_path:
         harness.write_json(json_path, meta, rows, records)

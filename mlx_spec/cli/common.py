@@ -10,7 +10,7 @@ from ..errors import MlxSpecError
 
 def model_options(f):
     """--model/--dtype and the draft-source options, named as in mlx-lm where it has them."""
-    from ..drafters import DEFAULT_DRAFT_TOKENS, DRAFTERS
+    from ..drafters import DRAFTERS
     from ..models.target import DTYPES
 
     options = [
@@ -22,21 +22,33 @@ def model_options(f):
                      help=f"Source of drafts: {'|'.join(DRAFTERS)}."),
         click.option("--draft-model", default=None, help="Drafter checkpoint or draft model directory."),
         click.option("--num-draft-tokens", type=click.IntRange(0), default=None,
-                     help="Most drafts verified per step (default per method: "
-                          + ", ".join(f"{m} {k}" for m, k in DEFAULT_DRAFT_TOKENS.items() if k) + ")."),
+                     help="Most drafts per step (default per method: "
+                          + ", ".join(f"{m} {s.default_draft_tokens}" for m, s in DRAFTERS.items()
+                                      if s.default_draft_tokens) + ")."),
+        click.option("--adaptive/--fixed", default=True, show_default=True,
+                     help="adaptive: verify only the drafts that pay, from their confidence and the "
+                          "costs measured while running (none when drafting does not pay); fixed: "
+                          "always --num-draft-tokens."),
         click.option("--ngram-max", type=click.IntRange(1), default=3, show_default=True,
                      help="lookup: longest n-gram matched."),
         click.option("--ngram-min", type=click.IntRange(1), default=1, show_default=True,
                      help="lookup: shortest n-gram matched."),
-        click.option("--tree-budget", type=click.IntRange(0), default=0, show_default=True,
-                     help="eagle: draft a tree of this many nodes (0: a chain of --num-draft-tokens)."),
-        click.option("--tree-topk", type=click.IntRange(1), default=8, show_default=True,
-                     help="eagle: children per expanded node; --num-draft-tokens is the tree's depth."),
+        click.option("--tree-budget", type=click.IntRange(0, 512), default=0, show_default=True,
+                     help="eagle: draft a tree of this many nodes (0: a chain of --num-draft-tokens); "
+                          "ddtree: the most nodes (0: 16)."),
+        click.option("--tree-topk", type=click.IntRange(1, 64), default=None,
+                     help="eagle: children per expanded node [8]; ddtree: candidates per position [4]. "
+                          "--num-draft-tokens is the tree's depth."),
         click.option("--temp", type=float, default=0.0, show_default=True, help="Sampling temperature."),
         click.option("--top-p", type=float, default=1.0, show_default=True, help="Nucleus sampling."),
         click.option("--top-k", type=int, default=0, show_default=True, help="Top-k sampling (0: off)."),
         click.option("--min-p", type=float, default=0.0, show_default=True, help="Min-p sampling."),
-        click.option("--seed", type=int, default=0, show_default=True, help="Random seed."),
+        click.option("--seed", type=int, default=None,
+                     help="Random seed: the same seed gives the same sampled text, whatever --draft "
+                          "(default: a fresh one, printed in --json)."),
+        click.option("--residual-sampling", "residual", is_flag=True,
+                     help="Accept sampled drafts by the residual rule (may accept more; the output for a "
+                          "seed then depends on the draft source and timing)."),
     ]
     for option in reversed(options):
         f = option(f)
@@ -57,7 +69,7 @@ def reports_errors(f):
 
 
 def load_engine(model_path, dtype, method, draft_model, num_draft_tokens, ngram_max, ngram_min,
-                tree_budget, tree_topk, temp, top_p, top_k, min_p, seed):
+                tree_budget, tree_topk, temp, top_p, top_k, min_p, seed, residual, adaptive):
     from ..drafters import draft_tokens, make_drafter
     from ..engine import Engine
     from ..models.target import load_target
@@ -72,15 +84,16 @@ def load_engine(model_path, dtype, method, draft_model, num_draft_tokens, ngram_
     sampling = SamplingParams(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p).check(target.vocab_size)
     drafter = make_drafter(method, target, dict(
         draft_model=draft_model, ngram_max=ngram_max, ngram_min=ngram_min,
-        num_draft_tokens=num_draft_tokens, dtype=dtype, sampling=sampling, seed=seed,
-        tree_budget=tree_budget, tree_topk=tree_topk))
-    return Engine(target, drafter, num_draft_tokens=num_draft_tokens, sampling=sampling, seed=seed)
+        num_draft_tokens=num_draft_tokens, dtype=dtype, tree_budget=tree_budget, tree_topk=tree_topk))
+    return Engine(target, drafter, num_draft_tokens=num_draft_tokens, sampling=sampling, seed=seed,
+                  residual=residual, adaptive=adaptive)
 
 
 def stats_line(stats) -> str:
     return (f"prompt: {stats.prompt_tokens} tokens, {stats.prompt_tokens_per_second:.1f} tok/s | "
             f"generated: {stats.generated_tokens} tokens in {stats.steps} steps, "
             f"{stats.tokens_per_step:.2f} tokens/step, acceptance {stats.acceptance_rate:.0%}, "
+            f"{stats.mean_draft_length:.2f} drafts/step ({stats.plain_steps} plain steps), "
             f"{stats.tokens_per_second:.1f} tok/s")
 
 

@@ -36,7 +36,8 @@ def generate(prompt_arg, prompt_opt, max_tokens, system, no_chat_template, as_js
     if as_json:
         generated, text, stats = stream(events, out=None)
         keys = ("prompt_tokens", "generated_tokens", "steps", "tokens_per_step", "acceptance_rate",
-                "tokens_per_second", "prompt_seconds", "generate_seconds")
+                "tokens_per_second", "prompt_seconds", "generate_seconds", "seed", "mean_draft_length",
+                "plain_steps", "drafted", "finish_reason")
         all_stats = stats.as_dict()
         click.echo(json.dumps({"text": text, "tokens": generated,
                                "stats": {k: all_stats[k] for k in keys}}))

@@ -1,7 +1,11 @@
 """The registry of draft sources: a new source is one file here plus one line below.
 
-Each factory takes the target and the CLI's options (a dict) and returns a Drafter, or None for
-plain decoding."""
+Each entry carries everything about its source: the factory (the target and the CLI's options,
+a dict -> a Drafter, or None for plain decoding) and the most drafts per step when
+--num-draft-tokens is not given (the policy verifies fewer when they do not pay)."""
+
+from dataclasses import dataclass
+from typing import Callable
 
 from ..errors import MlxSpecError
 
@@ -24,14 +28,14 @@ def _draft_model(target, options):
         raise MlxSpecError("--draft model needs --draft-model PATH (a small mlx-lm model)")
     draft = load_target(options["draft_model"], options.get("dtype", "auto"))
     check_same_vocabulary(target, draft)
-    return DraftModelDrafter(draft, options["sampling"], target.vocab_size, options.get("seed", 0))
+    return DraftModelDrafter(draft, target.vocab_size)
 
 
-def _drafter_path(method: str, target, options: dict, what: str):
-    """--draft-model, else the drafter shipped for the default model."""
+def _drafter_path(method: str, target, options: dict, what: str, shipped: str = None):
+    """--draft-model, else the drafter shipped for the default model (the `shipped` one)."""
     from ..models.default import shipped_drafter
 
-    path = options.get("draft_model") or shipped_drafter(method, target.path)
+    path = options.get("draft_model") or shipped_drafter(shipped or method, target.path)
     if not path:
         raise MlxSpecError(f"--draft {method} needs --draft-model PATH ({what}); one ships only for "
                            "the default model")
@@ -43,7 +47,16 @@ def _dflash(target, options):
     from .dflash import DFlashDrafter
 
     model = load_dflash(_drafter_path("dflash", target, options, "a DFlash drafter directory"), target)
-    return DFlashDrafter(target, model, options["sampling"], options.get("seed", 0))
+    return DFlashDrafter(target, model)
+
+
+def _ddtree(target, options):
+    from ..models.dflash import load_dflash
+    from .ddtree import DDTreeDrafter
+
+    model = load_dflash(_drafter_path("ddtree", target, options, "a DFlash drafter directory", "dflash"), target)
+    return DDTreeDrafter(target, model, budget=options.get("tree_budget") or 16,
+                         topk=options.get("tree_topk") or 4)
 
 
 def _eagle(target, options):
@@ -51,24 +64,26 @@ def _eagle(target, options):
     from .eagle import EagleDrafter
 
     model = load_eagle3(_drafter_path("eagle", target, options, "an EAGLE-3 checkpoint directory"), target)
-    return EagleDrafter(model, options["sampling"],
-                        target.vocab_size, options.get("seed", 0),
-                        tree_budget=options.get("tree_budget", 0), tree_topk=options.get("tree_topk", 8))
+    return EagleDrafter(model, target.vocab_size, tree_budget=options.get("tree_budget", 0), tree_topk=options.get("tree_topk") or 8)
 
 
+@dataclass(frozen=True)
+class Source:
+    make: Callable
+    default_draft_tokens: int
+    summary: str
+
+
+# Lengths: lookup's and the learned drafters' bound what the policy may verify; a draft model
+# drafts mlx-lm's 3.
 DRAFTERS = {
-    "none": _none,
-    "lookup": _lookup,
-    "model": _draft_model,
-    "dflash": _dflash,
-    "eagle": _eagle,
+    "none": Source(_none, 0, "plain decoding through the same loop"),
+    "lookup": Source(_lookup, 10, "n-grams of the prompt and output"),
+    "model": Source(_draft_model, 3, "a small model with the same tokenizer (--draft-model)"),
+    "dflash": Source(_dflash, 8, "DFlash block drafter"),
+    "ddtree": Source(_ddtree, 8, "a tree from one DFlash block's distributions"),
+    "eagle": Source(_eagle, 4, "EAGLE-3 draft layer"),
 }
-
-
-# Drafts per step when --num-draft-tokens is not given: the length that was fastest for the
-# drafters shipped for the default model (README), mlx-lm's 3 for a draft model, and a long
-# bound for lookup, which picks its own length per step.
-DEFAULT_DRAFT_TOKENS = {"none": 0, "lookup": 10, "model": 3, "dflash": 4, "eagle": 2}
 
 
 def check_method(method: str) -> str:
@@ -79,8 +94,8 @@ def check_method(method: str) -> str:
 
 def draft_tokens(method: str, num_draft_tokens=None) -> int:
     """--num-draft-tokens, else the method's default."""
-    return DEFAULT_DRAFT_TOKENS[check_method(method)] if num_draft_tokens is None else num_draft_tokens
+    return DRAFTERS[check_method(method)].default_draft_tokens if num_draft_tokens is None else num_draft_tokens
 
 
 def make_drafter(method: str, target, options: dict):
-    return DRAFTERS[check_method(method)](target, options)
+    return DRAFTERS[check_method(method)].make(target, options)

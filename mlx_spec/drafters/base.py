@@ -5,6 +5,8 @@ from typing import Dict, List, Optional, Sequence, Union
 
 import mlx.core as mx
 
+from ..sampling import Sampler
+
 
 @dataclass
 class Draft:
@@ -13,11 +15,39 @@ class Draft:
     # Tree drafts: parents[i] is the node draft i extends (0 = the last committed token,
     # j + 1 = draft j), in breadth-first order. None: a chain.
     parents: Optional[List[int]] = None
-    # [k, V] probabilities the drafts were sampled from; None = deterministic (one-hot) drafts.
+    # [k, V] probabilities the drafts were sampled from, where verification needs them (the
+    # residual rule, Sampler.needs_q); None = deterministic (one-hot) drafts or not needed.
     q: Optional[mx.array] = None
+    # [k] the drafter's own probability of each draft given its parent (its confidence), from
+    # which the engine's policy decides what is worth verifying; None: no estimate.
+    confidence: Optional[Union[List[float], mx.array]] = None
 
     def __len__(self):
         return len(self.tokens)
+
+    @classmethod
+    def chain(cls, draws) -> "Draft":
+        """A chain from one Sampler.draw (tokens, q, confidence) per drafted position."""
+        tokens, qs, confidence = zip(*draws)
+        return cls(tokens=mx.concatenate(tokens), q=mx.concatenate(qs) if qs[0] is not None else None,
+                   confidence=mx.concatenate(confidence))
+
+    @property
+    def parent_nodes(self) -> List[int]:
+        """parents, also for a chain (draft i extends node i)."""
+        return list(self.parents) if self.parents is not None else list(range(len(self)))
+
+    def subset(self, kept: Sequence[int]) -> "Draft":
+        """The drafts at indices `kept` (ancestors included, in order), as a Draft of their own."""
+        tokens = self.tokens.tolist() if isinstance(self.tokens, mx.array) else self.tokens
+        confidence = self.confidence.tolist() if isinstance(self.confidence, mx.array) else self.confidence
+        parents = None
+        if self.parents is not None:
+            new = {old: i + 1 for i, old in enumerate(kept)}
+            parents = [new.get(self.parents[i] - 1, 0) for i in kept]
+        return Draft(tokens=[tokens[i] for i in kept], parents=parents,
+                     q=self.q[mx.array(kept)] if self.q is not None and kept else None,
+                     confidence=[confidence[i] for i in kept] if confidence is not None else None)
 
 
 class Drafter:
@@ -29,6 +59,8 @@ class Drafter:
     taps: Sequence[int] = ()
     # True when propose may return a tree (verified through tree.py, which needs a plain KV cache).
     tree: bool = False
+    # The generation's sampling settings and noise; the engine sets it (greedy until then).
+    sampler: Sampler = Sampler()
 
     def prefill(self, context: List[int], taps: Dict[int, mx.array], start: int) -> None:
         """context: every token so far, the last one not yet seen by the target; the target has

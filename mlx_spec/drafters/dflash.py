@@ -5,30 +5,28 @@ The drafter's context grows only by target features the engine already has: the 
 prefill, the accepted positions' (taken from the verification pass, no extra target forward)
 at each commit. Features committed in a step are appended at the next propose, inside the
 drafting graph, so appending, drafting and verification are evaluated together with one sync.
-At temperature > 0 each position is sampled from its own q; the positions do not see each
-other's drafts, so q_i is exactly the probability of x_i given the prefix and verification
-stays exact."""
+At temperature > 0 each position is drawn from its own q with the generation's noise
+(sampling.Sampler); the positions do not see each other's drafts, so under the residual rule
+q_i is exactly the probability of x_i given the prefix."""
 
 from typing import Dict, List
 
 import mlx.core as mx
 
 from ..cache import rollback_to
-from ..sampling import SamplingParams, log_probs
 from .base import Draft, Drafter
 
 
 class DFlashDrafter(Drafter):
-    def __init__(self, target, model, sampling: SamplingParams, seed: int = 0):
+    def __init__(self, target, model):
         self.target = target
         self.model = model
-        self.sampling = sampling
         self.taps = tuple(model.args.target_layer_ids)
         self.block_size = model.args.block_size
         self.mask_token_id = model.args.mask_token_id
         self.cache = model.make_cache()
-        self.key = mx.random.key(seed + 1)   # independent of the engine's verification stream
         self.last_token = None               # the block's first token: the last committed one
+        self.position = 0                    # of the first draft: the committed tokens so far
         self.pending: List[mx.array] = []    # target features committed but not yet cached
 
     def _features(self, taps: Dict[int, mx.array]) -> mx.array:
@@ -46,26 +44,28 @@ class DFlashDrafter(Drafter):
         if taps:
             self.model.append_context(self._features(taps), self.cache)
         self.last_token = context[-1]
+        self.position = len(context)
         mx.eval([c.state for c in self.cache])
 
-    def propose(self, k):
-        n = min(k, self.block_size - 1)
-        if n <= 0:
-            return Draft()
+    def block_logits(self, n: int) -> mx.array:
+        """The drafter's logits [n, V] for the next n positions (lazy)."""
         self._append_pending()
         block = mx.array([[self.last_token] + [self.mask_token_id] * (self.block_size - 1)])
         # The whole block is always run (its attention is bidirectional, so a shorter block
         # would change every prediction); only the first n positions go through the head.
         hidden = self.model(self.target.embed(block), self.cache)
-        logits = self.target.lm_head(hidden[0, 1:n + 1])
-        if self.sampling.greedy:
-            return Draft(tokens=mx.argmax(logits, axis=-1).astype(mx.int32))
-        # One log_probs for both the draws and q (over the whole vocabulary it is not cheap).
-        log_q = log_probs(logits, self.sampling)
-        self.key, key = mx.random.split(self.key)
-        tokens = mx.random.categorical(log_q, key=key).astype(mx.int32)
-        return Draft(tokens=tokens, q=mx.exp(log_q))
+        return self.target.lm_head(hidden[0, 1:n + 1])
 
-    def commit(self, n_accepted, next_token, taps):
+    def propose(self, k):
+        n = min(k, self.block_size - 1)
+        if n <= 0:
+            return Draft()
+        logits = self.block_logits(n)
+        tokens, q, confidence = self.sampler.draw(logits, range(self.position, self.position + n),
+                                                  self.target.vocab_size)
+        return Draft(tokens=tokens, q=q, confidence=confidence)
+
+    def commit(self, n_accepted, next_token, taps, path=None):
         self.pending.append(self._features(taps))
         self.last_token = next_token
+        self.position += n_accepted + 1

@@ -1,8 +1,8 @@
 """A separate small model with the target's tokenizer drafts k tokens autoregressively.
 
 It keeps its own KV cache; after each verification it rolls back to the longest prefix that is
-still valid (no re-prefill). At temperature > 0 it samples its drafts from its own q at the
-target's sampling settings and reports q, so verification stays exact. The k draft forwards
+still valid (no re-prefill). At temperature > 0 it draws its drafts from its own q at the
+target's sampling settings, with the generation's noise (sampling.Sampler). The k draft forwards
 stay one lazy graph: drafting and verification are evaluated together, with one sync."""
 
 from typing import List
@@ -11,7 +11,6 @@ import mlx.core as mx
 
 from ..cache import check_speculation, common_prefix_length, make_cache, rollback_to
 from ..errors import MlxSpecError
-from ..sampling import SamplingParams, probs, sample
 from .base import Draft, Drafter
 
 
@@ -35,13 +34,11 @@ def check_same_vocabulary(target, draft) -> None:
 
 
 class DraftModelDrafter(Drafter):
-    def __init__(self, draft, sampling: SamplingParams, vocab_size: int, seed: int = 0):
+    def __init__(self, draft, vocab_size: int):
         self.draft = draft
-        self.sampling = sampling
         self.vocab_size = vocab_size        # the target's: q is padded to it
         self.cache = make_cache(draft.model)
         check_speculation(self.cache, draft.model_type, "a draft model")
-        self.key = mx.random.key(seed + 1)  # independent of the engine's verification stream
         self.context: List[int] = []        # committed tokens
         self.cached: List[int] = []         # tokens whose K/V are in self.cache
         self.pending = None                 # the last drafts (lazy until verification)
@@ -71,22 +68,15 @@ class DraftModelDrafter(Drafter):
         if k == 0:
             return Draft()
         logits = self._feed(self.context[len(self.cached):])
-        drafts, qs = [], []
+        draws = []
         for i in range(k):
             if i:  # feed the previous draft, still lazy: no sync inside the loop
-                logits, _ = self.draft.forward(drafts[-1].reshape(1, 1), self.cache)
-            logits = logits[0, -1, :self.vocab_size]
-            self.key, key = mx.random.split(self.key)
-            drafts.append(sample(logits, self.sampling, key))
-            if not self.sampling.greedy:
-                qs.append(probs(logits, self.sampling))
-        q = None
-        if qs:
-            q = mx.stack(qs)
-            if q.shape[-1] < self.vocab_size:  # a draft head narrower than the target's
-                q = mx.pad(q, [(0, 0), (0, self.vocab_size - q.shape[-1])])
-        self.pending = mx.stack(drafts).astype(mx.int32)
-        return Draft(tokens=self.pending, q=q)
+                logits, _ = self.draft.forward(draws[-1][0][None], self.cache)
+            draws.append(self.sampler.draw(logits[0, -1:, :self.vocab_size], [len(self.context) + i],
+                                           self.vocab_size))
+        draft = Draft.chain(draws)
+        self.pending = draft.tokens
+        return draft
 
     def commit(self, n_accepted, next_token, taps):
         drafts = self.pending.tolist() if self.pending is not None else []

@@ -5,12 +5,10 @@ layer's output there predicts token t+2. A draft step feeds the layer's own pre-
 back in place of the target feature it has not computed yet. After each verification the
 speculative entries are dropped and the committed tokens are paired with the features the
 target just computed for them: the cache holds target features only. At temperature > 0
-drafts are sampled from the draft head's distribution at the target's sampling settings, and
-reported as q scattered into target ids (zero outside the draft vocabulary), so that
-verification stays exact. The k draft steps stay one lazy graph, evaluated together with the
+drafts are drawn from the draft head's distribution at the target's sampling settings, with
+the generation's noise (sampling.Sampler). The k draft steps stay one lazy graph, evaluated together with the
 verification."""
 
-from dataclasses import replace
 from typing import Dict, List
 
 import mlx.core as mx
@@ -18,24 +16,18 @@ import numpy as np
 
 from ..cache import common_prefix_length, rollback_to
 from ..errors import MlxSpecError
-from ..sampling import SamplingParams, log_probs
 from .base import Draft, Drafter
 
 
 class EagleDrafter(Drafter):
-    def __init__(self, model, sampling: SamplingParams, vocab_size: int, seed: int = 0,
-                 tree_budget: int = 0, tree_topk: int = 8):
+    def __init__(self, model, vocab_size: int, tree_budget: int = 0, tree_topk: int = 8):
         self.model = model
         self.tree_budget, self.tree_topk = tree_budget, tree_topk  # tree mode when budget > 0
         self.tree = tree_budget > 0
         self.taps = model.taps
-        # top-k over the whole draft vocabulary keeps it all (and mlx-lm's filter wants k < size)
-        keeps_all = sampling.top_k >= model.args.draft_vocab_size
-        self.sampling = replace(sampling, top_k=0) if keeps_all else sampling
         self.vocab_size = vocab_size        # the target's: q spans it
         self.target_ids = model.to_target(mx.arange(model.args.draft_vocab_size))
         self.cache = model.make_cache()
-        self.key = mx.random.key(seed + 1)  # independent of the engine's verification stream
         self.paired: List[int] = []         # paired[t]: the token at cache position t (context[t+1])
         self.last_hidden = None             # the layer's output at the last position: drafts from it
         self.pending = None                 # the last drafts (lazy until verification)
@@ -58,7 +50,9 @@ class EagleDrafter(Drafter):
             raise MlxSpecError("EAGLE drafter state is behind the target's cache: start a new session")
         rollback_to(self.cache, start)  # also drops drafts of an interrupted step
         self.paired = self.paired[:start]
-        self._extend(context[start + 1:], self._fuse(taps))
+        self.last_hidden = None
+        if taps:   # a one-token prompt has no feature yet: the first step is plain
+            self._extend(context[start + 1:], self._fuse(taps))
 
     def propose(self, k):
         self.pending = None
@@ -66,24 +60,18 @@ class EagleDrafter(Drafter):
             return Draft()
         if self.tree_budget:
             return self._propose_tree(depth=k)
-        hidden, drafts, qs = self.last_hidden, [], []
+        hidden, draws = self.last_hidden, []
+        first = len(self.paired) + 1   # the position of the first draft
         for i in range(k):
             if i:  # feed the previous draft and the layer's own output, still lazy
-                hidden = self.model(self.model.embed(drafts[-1].reshape(1, 1)), hidden, self.cache)
-            logits = self.model.logits(hidden[0, -1])
-            if self.sampling.greedy:
-                drafts.append(self.target_ids[mx.argmax(logits)])
-                continue
-            # Filtered and tempered like the target's distribution; the target ids outside the
-            # draft vocabulary have probability 0 in either order, so q is scattered afterwards.
-            logq = log_probs(logits, self.sampling)
-            self.key, key = mx.random.split(self.key)
-            drafts.append(self.target_ids[mx.random.categorical(logq, key=key)])
-            q = mx.zeros((self.vocab_size,), mx.float32)
-            q[self.target_ids] = mx.exp(logq)
-            qs.append(q)
-        self.pending = mx.stack(drafts).astype(mx.int32)
-        return Draft(tokens=self.pending, q=mx.stack(qs) if qs else None)
+                hidden = self.model(self.model.embed(draws[-1][0][None]), hidden, self.cache)
+            # Filtered and tempered like the target's distribution over the draft vocabulary;
+            # the target ids outside it have probability 0 either way.
+            draws.append(self.sampler.draw(self.model.logits(hidden[0, -1:]), [first + i], self.vocab_size,
+                                           ids=self.target_ids))
+        draft = Draft.chain(draws)
+        self.pending = draft.tokens
+        return draft
 
     def commit(self, n_accepted, next_token, taps, path=None):
         drafts = self.pending if isinstance(self.pending, list) else (
@@ -143,4 +131,8 @@ class EagleDrafter(Drafter):
         index = {node: i + 1 for i, node in enumerate(order)}
         tokens = self.target_ids[mx.array([pool[node][0] for node in order])].tolist()
         self.pending = tokens
-        return Draft(tokens=tokens, parents=[index.get(pool[node][1], 0) for node in order])
+        # Each node's probability given its parent: exp(score - the parent's score).
+        confidence = [float(np.exp(pool[node][3] - (pool[pool[node][1]][3] if pool[node][1] >= 0 else 0.0)))
+                      for node in order]
+        return Draft(tokens=tokens, parents=[index.get(pool[node][1], 0) for node in order],
+                     confidence=confidence)

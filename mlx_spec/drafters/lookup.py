@@ -1,11 +1,11 @@
 """Prompt lookup: draft the continuation of the most recent earlier occurrence of the context's
-last n-gram (longest n first). Blind drafting loses on CPU (DESIGN.md), so the draft length
-comes from the acceptance observed for matches of that length and the measured cost of
-a wider verification (`cost.py`)."""
+last n-gram (longest n first). Blind drafting loses on CPU (DESIGN.md): each draft's confidence
+is m / (m + 1) for a match that agrees over m tokens (a longer match is more likely copied
+text), which the engine's policy calibrates against what is accepted and weighs against the
+measured cost of a wider verification."""
 
 from typing import Dict, List, Tuple
 
-from ..cost import StepCost, best_draft_length
 from .base import Draft, Drafter
 
 
@@ -13,22 +13,15 @@ MAX_MATCH = 12
 
 
 class LookupDrafter(Drafter):
-    def __init__(self, ngram_max: int = 3, ngram_min: int = 1, cost: StepCost = None,
-                 adaptive: bool = True):
+    def __init__(self, ngram_max: int = 3, ngram_min: int = 1):
         if not 1 <= ngram_min <= ngram_max:
             from ..errors import MlxSpecError
 
             raise MlxSpecError(f"need 1 <= --ngram-min <= --ngram-max, got {ngram_min}, {ngram_max}")
         self.ngram_max, self.ngram_min = ngram_max, ngram_min
-        self.cost = cost or StepCost()
-        self.adaptive = adaptive
-        # Geometric acceptance per match length (the n-gram extended backwards while the two
-        # occurrences agree, capped): [accepted, rejected]. Prior alpha = m / (m + 1): a longer
-        # match is more likely copied text.
-        self.outcomes = {m: [float(m), 1.0] for m in range(1, MAX_MATCH + 1)}
         self.tokens: List[int] = []
         self.index: Dict[Tuple[int, ...], int] = {}   # n-gram -> end position of latest occurrence
-        self.pending: Tuple[int, List[int]] = (0, [])  # (match length, drafts) of the last step
+        self.pending: List[int] = []                   # the drafts of the last step
 
     # The index holds every n-gram that ends at or before position len(tokens) - 2, so a match
     # of the context's suffix is always an EARLIER occurrence with at least one token after it.
@@ -57,24 +50,11 @@ class LookupDrafter(Drafter):
                 return m, end
         return 0, -1
 
-    def alpha(self, m: int) -> float:
-        accepted, rejected = self.outcomes[m]
-        return accepted / (accepted + rejected)
-
     def propose(self, k: int) -> Draft:
         m, end = self._match()
-        continuation = self.tokens[end + 1:end + 1 + k] if m else []
-        if self.adaptive and continuation:
-            continuation = continuation[:best_draft_length(self.alpha(m), len(continuation), self.cost)]
-        self.pending = (m, continuation)
-        return Draft(tokens=continuation)
+        self.pending = self.tokens[end + 1:end + 1 + k] if m else []
+        return Draft(tokens=self.pending, confidence=[m / (m + 1)] * len(self.pending))
 
     def commit(self, n_accepted, next_token, taps):
-        m, drafted = self.pending
-        if drafted:
-            # Recent steps weigh more: old evidence decays so the estimate tracks the text.
-            stats = self.outcomes[m]
-            stats[0] = 0.95 * stats[0] + n_accepted
-            stats[1] = 0.95 * stats[1] + (n_accepted < len(drafted))
-        for t in drafted[:n_accepted] + [next_token]:
+        for t in self.pending[:n_accepted] + [next_token]:
             self._append(t)

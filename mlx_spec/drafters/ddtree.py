@@ -1,0 +1,70 @@
+"""DDTree: a draft tree from one DFlash forward. The block gives a distribution for each of the
+next positions; the tree holds the token paths with the highest product of those probabilities
+(the expected accepted length of a tree is the sum over its nodes of that product, if the
+target agreed with the drafter's marginals), up to a node budget, then it is verified in one
+target pass like any tree. The drafts are the top tokens of each position (deterministic):
+the seeded rule's greedy walk and the residual rule's sibling rule with one-hot q (sampling
+without replacement) are both exact for them."""
+
+import heapq
+from typing import List, Sequence, Tuple
+
+import mlx.core as mx
+import numpy as np
+
+from .base import Draft
+from .dflash import DFlashDrafter
+
+
+def best_tree(log_probs: Sequence[Sequence[Tuple[int, float]]], budget: int):
+    """The `budget` paths of largest probability product, as a breadth-first tree.
+    log_probs[d]: (token, log-probability) candidates at depth d + 1, best first. Returns
+    (tokens, parents, conditional probabilities), parents as in Draft (0 = root)."""
+    # Best-first: a node's children are the candidates of the next depth; a product never
+    # grows along a path, so the best `budget` nodes come out ancestors first.
+    heap = [(-lp, 0, j, -1) for j, (_, lp) in enumerate(log_probs[0][:1])] if log_probs else []
+    chosen = []   # (score, depth, candidate index, parent index in chosen)
+    while heap and len(chosen) < budget:
+        neg, depth, j, parent = heapq.heappop(heap)
+        chosen.append((-neg, depth, j, parent))
+        me = len(chosen) - 1
+        if j + 1 < len(log_probs[depth]):   # the next sibling
+            heapq.heappush(heap, (neg + log_probs[depth][j][1] - log_probs[depth][j + 1][1], depth, j + 1, parent))
+        if depth + 1 < len(log_probs) and log_probs[depth + 1]:   # the first child
+            heapq.heappush(heap, (neg - log_probs[depth + 1][0][1], depth + 1, 0, me))
+    order = sorted(range(len(chosen)), key=lambda i: (chosen[i][1], -chosen[i][0], i))
+    index = {old: new + 1 for new, old in enumerate(order)}
+    tokens = [log_probs[chosen[i][1]][chosen[i][2]][0] for i in order]
+    parents = [index.get(chosen[i][3], 0) for i in order]
+    confidence = [float(np.exp(log_probs[chosen[i][1]][chosen[i][2]][1])) for i in order]
+    return tokens, parents, confidence
+
+
+class DDTreeDrafter(DFlashDrafter):
+    tree = True
+
+    def __init__(self, target, model, budget: int = 16, topk: int = 4):
+        super().__init__(target, model)
+        self.budget, self.topk = budget, topk
+
+    def propose(self, k):
+        n = min(k, self.block_size - 1)
+        if n <= 0:
+            return Draft()
+        logits = self.block_logits(n)
+        # The marginals the tree is built from: the target's sampling settings (tempered and
+        # filtered) when sampling, the plain softmax when greedy.
+        if self.sampler.greedy:
+            log_q = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        else:
+            from ..sampling import log_probs
+
+            log_q = log_probs(logits, self.sampler.params)
+        topk = min(self.topk, log_q.shape[-1])
+        ids = mx.argpartition(-log_q, kth=topk - 1, axis=-1)[:, :topk]
+        values = mx.take_along_axis(log_q, ids, axis=-1)
+        candidates: List[List[Tuple[int, float]]] = [
+            sorted(((t, v) for t, v in zip(row_ids, row_values) if v > -np.inf), key=lambda c: -c[1])
+            for row_ids, row_values in zip(ids.tolist(), values.tolist())]
+        tokens, parents, confidence = best_tree(candidates, self.budget)
+        return Draft(tokens=tokens, parents=parents, confidence=confidence)

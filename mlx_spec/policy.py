@@ -1,0 +1,121 @@
+"""How many drafts to verify: one policy for every draft source.
+
+Each step has two decisions, both maximising expected committed tokens per second:
+1. Before drafting, how many positions to draft (K, 0 = a plain step that pays nothing for
+   drafting), from the recent acceptance rate and the measured costs of drafting and of
+   verifying. While drafting does not pay, it still probes now and then (at growing intervals)
+   so that it notices when drafts become good again, e.g. when the output starts copying.
+2. After drafting, which drafts to verify: each draft comes with the drafter's own probability
+   of it (its confidence), which a calibration learned online turns into a probability of
+   acceptance; a draft is worth verifying for P(it and its ancestors are accepted). Chains keep
+   a prefix, trees the most likely nodes (ancestors first).
+
+Expected tokens of a step: 1 (the target's own token) + the sum over verified drafts of
+P(accepted path reaches it). Cost: drafting(K) + verification(1 + verified drafts), both fit
+on this machine while it runs (cost.LinearCost)."""
+
+from typing import List, Optional, Sequence
+
+import numpy as np
+
+from .cost import LinearCost
+
+BINS = 20               # calibration buckets over confidence in [0, 1]
+PROBE_FIRST, PROBE_MAX = 4, 64
+
+
+class Calibration:
+    """P(accepted | the drafter's confidence), per confidence bucket, recent outcomes weighing
+    more; starts from the confidence itself. Drafts without a confidence share one bucket."""
+
+    def __init__(self, decay: float = 0.98, prior_weight: float = 2.0):
+        centers = (np.arange(BINS) + 0.5) / BINS
+        self.accepted = np.append(centers, 0.5) * prior_weight
+        self.tried = np.full(BINS + 1, prior_weight)
+        self.decay = decay
+
+    @staticmethod
+    def bucket(confidence: Optional[float]) -> int:
+        return BINS if confidence is None else min(int(confidence * BINS), BINS - 1)
+
+    def __call__(self, confidence: Optional[float]) -> float:
+        b = self.bucket(confidence)
+        return self.accepted[b] / self.tried[b]
+
+    def record(self, confidence: Optional[float], accepted: bool) -> None:
+        b = self.bucket(confidence)
+        self.accepted[b] = self.decay * self.accepted[b] + accepted
+        self.tried[b] = self.decay * self.tried[b] + 1
+
+
+class DraftPolicy:
+    def __init__(self, margin: float = 1.02):
+        # Seconds of a verification of width w, and of drafting K positions. Until measured, a
+        # one-token step is the unit and drafting is free (so that it gets measured).
+        self.verify_cost = LinearCost(prior_ratio=0.1)
+        self.draft_cost = LinearCost(prior_ratio=1.0, unknown_scale=0.0, skip_first=False)
+        self.calibration = Calibration()
+        self.alpha = 0.5          # recent P(accepted | parent accepted), for decision 1
+        self.margin = margin      # drafting must beat plain decoding by this factor
+        self.skipped = 0          # plain steps in a row since the last draft
+        self.probe_interval = PROBE_FIRST
+        self.probing = False      # this step drafts to learn, not because it pays
+
+    # --- decision 1 ---------------------------------------------------------------------
+    def draft_length(self, max_k: int) -> int:
+        self.probing = False
+        if max_k <= 0:
+            return 0
+        best_k, best_rate = 0, self.margin / max(self.verify_cost(1), 1e-9)
+        expected, reach = 1.0, 1.0
+        for k in range(1, max_k + 1):
+            reach *= self.alpha
+            expected += reach
+            rate = expected / (self.draft_cost(k) + self.verify_cost(k + 1))
+            if rate > best_rate:
+                best_k, best_rate = k, rate
+        if best_k:
+            self.skipped, self.probe_interval = 0, PROBE_FIRST
+            return best_k
+        self.skipped += 1
+        if self.skipped >= self.probe_interval:   # probe: has drafting become worth it?
+            self.skipped, self.probe_interval = 0, min(2 * self.probe_interval, PROBE_MAX)
+            self.probing = True
+            return max_k
+        return 0
+
+    # --- decision 2 ---------------------------------------------------------------------
+    def reach(self, confidence: Sequence[Optional[float]], parents: Sequence[int]) -> List[float]:
+        """P(the accepted path reaches draft i), drafts in breadth-first order; parents[i] = 0
+        for the root, j + 1 for draft j."""
+        reach = []
+        for conf, parent in zip(confidence, parents):
+            reach.append(self.calibration(conf) * (reach[parent - 1] if parent else 1.0))
+        return reach
+
+    def select(self, confidence: Sequence[Optional[float]], parents: Sequence[int], drafted: int) -> List[int]:
+        """Indices of the drafts to verify (ancestors before descendants, in order). While
+        probing, at least the most likely one, so that the calibration keeps learning."""
+        reach = self.reach(confidence, parents)
+        order = sorted(range(len(reach)), key=lambda i: (-reach[i], i))
+        drafting = self.draft_cost(drafted)   # already spent, whatever is verified
+        best_n, best_rate, expected = 0, 1.0 / (drafting + self.verify_cost(1)), 1.0
+        if self.probing:
+            best_n, best_rate = 1, 0.0
+        for n, i in enumerate(order, start=1):
+            expected += reach[i]
+            rate = expected / (drafting + self.verify_cost(n + 1))
+            if rate > best_rate:
+                best_n, best_rate = n, rate
+        return sorted(order[:best_n])
+
+    # --- what happened --------------------------------------------------------------------
+    def record(self, confidence, parents, verified: Sequence[int], path: Sequence[int]) -> None:
+        """Outcomes of the verified drafts whose parent was accepted (or is the root)."""
+        accepted = set(path)
+        for i in verified:
+            parent = parents[i] - 1
+            if parent < 0 or parent in accepted:
+                ok = i in accepted
+                self.calibration.record(confidence[i], ok)
+                self.alpha = 0.95 * self.alpha + 0.05 * ok

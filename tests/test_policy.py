@@ -1,0 +1,134 @@
+"""The draft-length policy: drafts nothing when drafts are never accepted, the longest drafts
+when they always are, follows the measured costs, and never changes the output."""
+
+from tiny import ScriptedDrafter, plain_greedy, run, tiny_target
+
+from mlx_spec.cost import LinearCost
+from mlx_spec.drafters.base import Draft
+from mlx_spec.engine import Engine
+from mlx_spec.policy import PROBE_FIRST, DraftPolicy
+
+PROMPT = [1, 5, 7, 9, 11, 13, 2, 5, 7, 9, 11, 13, 2, 5, 7]
+
+
+def measured_policy(verify_slope, draft_per_position=0.0, one=0.05):
+    """A policy whose costs were measured on a machine where a verification of width w takes
+    one * (1 + verify_slope * (w - 1)) seconds and drafting k positions k * draft_per_position."""
+    policy = DraftPolicy()
+    for _ in range(3):
+        for w in (1, 2, 4, 8, 12):
+            policy.verify_cost.record(w, one * (1 + verify_slope * (w - 1)))
+            policy.draft_cost.record(w, one * draft_per_position * w)
+    return policy
+
+
+def teach(policy, accepted: bool, confidence=0.9, n=60):
+    for _ in range(n):
+        policy.record([confidence] * 4, [0, 1, 2, 3], range(4), [0, 1, 2, 3] if accepted else [])
+
+
+def test_linear_cost_recovers_a_line_and_follows_change():
+    cost = LinearCost(prior_ratio=0.1)
+    for _ in range(5):
+        for w in (1, 3, 9):
+            cost.record(w, 2.0 + 0.5 * w)
+    assert abs(cost(5) - 4.5) < 0.02   # the weak prior on the slope barely moves it
+    for _ in range(200):   # the context grew: every width costs twice as much now
+        for w in (1, 3, 9):
+            cost.record(w, 4.0 + 1.0 * w)
+    assert abs(cost(5) - 9.0) < 0.05
+
+
+def test_linear_cost_with_one_width_uses_the_prior_shape():
+    cost = LinearCost(prior_ratio=0.1)
+    for _ in range(4):
+        cost.record(4, 1.3)
+    assert abs(cost(4) - 1.3) < 1e-6 and abs(cost(1) - 1.0) < 1e-6   # 1.3 = 1 + 0.1 * 3
+
+
+def test_never_accepted_drafts_give_plain_steps_with_rare_probes():
+    policy = measured_policy(verify_slope=0.1, draft_per_position=0.1)
+    teach(policy, accepted=False)
+    lengths = [policy.draft_length(8) for _ in range(200)]
+    assert lengths[:PROBE_FIRST - 1] == [0] * (PROBE_FIRST - 1)
+    assert sum(k > 0 for k in lengths) <= 8          # probes only, at growing intervals
+    probes = [i for i, k in enumerate(lengths) if k]
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert len(probes) >= 3 and gaps == sorted(gaps)
+    # After drafting anyway (a probe), nothing is worth verifying but the one probed draft.
+    policy.probing = False
+    assert policy.select([0.9] * 8, list(range(8)), 8) == []
+
+
+def test_always_accepted_drafts_give_the_longest_length():
+    policy = measured_policy(verify_slope=0.1, draft_per_position=0.02)
+    teach(policy, accepted=True)
+    assert policy.draft_length(8) == 8
+    assert policy.select([0.9] * 8, list(range(8)), 8) == list(range(8))
+
+
+def test_the_choice_follows_the_cost_curve():
+    lengths = []
+    for slope in (0.02, 0.1, 0.5, 2.0):
+        policy = measured_policy(verify_slope=slope, draft_per_position=0.05)
+        policy.alpha = 0.7
+        lengths.append(policy.draft_length(12))
+    assert lengths == sorted(lengths, reverse=True) and lengths[0] > lengths[-1]
+    assert lengths[-1] == 0   # verification twice a step per extra token: drafting never pays
+
+
+def test_selection_keeps_ancestors_and_the_likeliest_nodes():
+    policy = measured_policy(verify_slope=0.05)
+    teach(policy, accepted=True, confidence=0.97)
+    # Root children 0 (0.97) and 1 (0.1); 2 extends 0 (0.97), 3 extends 1 (0.97).
+    kept = policy.select([0.97, 0.1, 0.97, 0.97], [0, 0, 1, 2], 2)
+    assert kept[:2] == [0, 2] and all(policy.reach([0.97, 0.1, 0.97, 0.97], [0, 0, 1, 2])[i] > 0 for i in kept)
+    draft = Draft(tokens=[5, 6, 7, 8], parents=[0, 0, 1, 2], confidence=[0.97, 0.1, 0.97, 0.97])
+    sub = draft.subset([0, 2])
+    assert sub.tokens == [5, 7] and sub.parents == [0, 1]
+
+
+class AlwaysWrong(ScriptedDrafter):
+    def propose(self, k):
+        draft = super().propose(k)
+        return Draft(tokens=[(t + 1) % self.vocab for t in draft.tokens], confidence=[0.9] * len(draft))
+
+
+class CpuLikeCost:
+    """Costs as on this project's CPU (a draft of k: 0.1 k of a step, a verification of width w:
+    1 + 0.15 (w - 1)), not the tiny test model's, whose wide verification is almost free."""
+
+    known = True
+
+    def __init__(self, base, per_token):
+        self.base, self.per_token = base, per_token
+
+    def record(self, x, seconds):
+        pass
+
+    def __call__(self, x):
+        return self.base + self.per_token * x
+
+
+def cpu_like_policy():
+    policy = DraftPolicy()
+    policy.verify_cost, policy.draft_cost = CpuLikeCost(0.85, 0.15), CpuLikeCost(0.0, 0.1)
+    return policy
+
+
+def test_engine_drafts_almost_nothing_for_a_useless_drafter():
+    target = tiny_target("llama", seed=1)
+    expected = plain_greedy(target.model, PROMPT, 120)
+    engine = Engine(target, AlwaysWrong(expected, 10**6, 32), num_draft_tokens=6, policy=cpu_like_policy())
+    tokens, stats = run(engine, PROMPT, 120)
+    assert tokens == expected
+    assert stats.accepted == 0 and stats.plain_steps > 0.85 * stats.steps and stats.proposed < 0.15 * stats.steps
+
+
+def test_engine_drafts_long_for_a_perfect_drafter():
+    target = tiny_target("llama", seed=1)
+    expected = plain_greedy(target.model, PROMPT, 120)
+    engine = Engine(target, ScriptedDrafter(expected, 10**6, 32), num_draft_tokens=6, policy=cpu_like_policy())
+    tokens, stats = run(engine, PROMPT, 120)
+    assert tokens == expected
+    assert stats.tokens_per_step > 4 and engine.policy.draft_length(6) == 6   # learned: the longest
