@@ -34,7 +34,9 @@ def test_taps_with_cache_match_one_pass():
     _, first = target.forward(tokens[:, :5], cache, taps=(1,))
     _, rest = target.forward(tokens[:, 5:], cache, taps=(1,))
     joined = mx.concatenate([first[1], rest[1]], axis=1)
-    assert mx.allclose(joined, whole[1], atol=1e-5).item()
+    # The scaled random weights give activations near 100; OpenBLAS sums a 5-row and an 8-row
+    # product in different orders, so the float32 agreement is relative (a wrong tap is off by O(1)).
+    assert mx.allclose(joined, whole[1], rtol=1e-4, atol=1e-4).item()
 
 
 def test_tap_outside_model_is_an_error():
