@@ -55,18 +55,31 @@ def load_prompts(path=None, categories=()) -> List[dict]:
     else:
         try:
             lines = Path(path).read_text().splitlines()
-            rows = [json.loads(line) for line in lines if line.strip()]
         except OSError as e:
             raise MlxSpecError(f"cannot read prompts {path}: {e.strerror}") from None
-        except json.JSONDecodeError as e:
-            raise MlxSpecError(f"{path} is not JSONL: {e}") from None
+        rows = []
+        for number, line in enumerate(lines, start=1):
+            if not line.strip():
+                continue
+            try:
+                rows.append((f"{path} line {number}", json.loads(line)))
+            except json.JSONDecodeError as e:
+                raise MlxSpecError(f"{path} line {number} is not JSON: {e.msg} (column {e.colno})") from None
+        if not rows:
+            raise MlxSpecError(f"{path} holds no prompt")
+    if path is None:
+        rows = [(f"prompt {i + 1}", row) for i, row in enumerate(rows)]
     items = []
-    for i, row in enumerate(rows):
-        turns = row.get("turns") or ([row["prompt"]] if "prompt" in row else None)
+    for i, (where, row) in enumerate(rows):
+        if not isinstance(row, dict):
+            raise MlxSpecError(f"{where}: expected an object with 'prompt' or 'turns'")
+        turns = row.get("turns") if "turns" in row else ([row["prompt"]] if "prompt" in row else None)
         if not turns:
-            raise MlxSpecError(f"prompt {i + 1} has neither 'prompt' nor 'turns'")
+            raise MlxSpecError(f"{where} has neither 'prompt' nor 'turns'")
+        if not isinstance(turns, list) or not all(isinstance(t, str) and t for t in turns):
+            raise MlxSpecError(f"{where}: 'prompt' must be a string and 'turns' a list of strings")
         items.append({"question_id": str(row.get("question_id", i + 1)),
-                      "category": row.get("category", "default"), "turns": list(turns)})
+                      "category": str(row.get("category", "default")), "turns": list(turns)})
     if categories:
         items = [item for item in items if item["category"] in categories]
         if not items:

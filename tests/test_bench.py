@@ -71,10 +71,26 @@ def test_bench_cli_writes_every_field(tiny_dir, tmp_path):
     assert markdown.read_text().startswith("| method |")
 
 
-def test_bad_prompts_file(tmp_path):
+@pytest.mark.parametrize("content,message", [
+    ("{nope\n", "line 1 is not JSON"),
+    ('{"prompt": "a"}\n{"prompt": "b",\n', "line 2 is not JSON"),
+    ('["a"]\n', "expected an object"),
+    ('{"prompt": 5}\n', "'prompt' must be a string"),
+    ('{"turns": "hello"}\n', "'turns' a list of strings"),
+    ("\n\n", "holds no prompt"),
+], ids=["json", "json-line-2", "list", "number", "turns-string", "blank"])
+def test_bad_prompts_file(tmp_path, content, message):
     bad = tmp_path / "bad.jsonl"
-    bad.write_text("{nope\n")
+    bad.write_text(content)
     result = subprocess.run([sys.executable, "-m", "mlx_spec.cli", "bench", "--prompts", str(bad)],
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 1
-    assert result.stderr.strip().count("\n") == 0 and "is not JSONL" in result.stderr
+    assert result.stderr.strip().count("\n") == 0 and message in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize("option", ["--json", "--markdown", "--plot"])
+def test_unwritable_output_is_refused_before_the_run(tmp_path, option):
+    result = subprocess.run([sys.executable, "-m", "mlx_spec.cli", "bench", option, "/nonexistent/dir/out"],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 1 and "bench" not in result.stderr.replace("cannot write", "")
+    assert result.stderr.strip().count("\n") == 0 and "no directory /nonexistent/dir" in result.stderr

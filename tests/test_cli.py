@@ -87,6 +87,9 @@ def bad_dirs(tmp_path_factory):
     (["--draft", "model", "--draft-model", "{root}/other"], ["draft model tokenizer has 64 tokens"]),
     (["--temp", "-1"], ["--temp"]),
     (["--bogus-flag"], ["No such option"]),
+    (["--draft-model", "/nonexistent"], ["--draft-model is for --draft", "not --draft lookup"]),
+    (["--system", "Be terse.", "--no-chat-template"], ["--system goes into the chat template"]),
+    (["--prompt", "Hi"], ["give the prompt once"]),
 ])
 def test_bad_input_is_one_line(bad_dirs, args, fragments):
     args = [a.format(root=bad_dirs) for a in args]

@@ -482,6 +482,16 @@ def test_cli_convert(tiny, tmp_path):
         assert not isinstance(result.exception, MlxSpecError)  # handled, not raised
 
 
+def test_cli_convert_into_the_current_directory(tiny, tmp_path, monkeypatch):
+    _, path = tiny
+    here = tmp_path / "empty"
+    here.mkdir()
+    monkeypatch.chdir(here)
+    result = CliRunner().invoke(convert, ["--gguf", str(path), "--mlx-path", "."])
+    assert result.exit_code == 0, result.output
+    assert is_converted_model(here) and sorted(p.name for p in tmp_path.iterdir()) == ["empty"]
+
+
 # --------------------------------------------------------------------------------------------
 # The default model
 # --------------------------------------------------------------------------------------------

@@ -1,3 +1,5 @@
+from pathlib import Path
+
 import click
 
 from .common import echo_err, reports_errors
@@ -41,6 +43,15 @@ def bench(model_path, dtype, prompts, categories, methods, draft_models, num_dra
     from ..models.target import load_target
     from ..sampling import SamplingParams
 
+    # Check what would only fail after the whole run: where the results go, matplotlib.
+    for out in (json_path, markdown_path, plot_path):
+        if out and not Path(out).resolve().parent.is_dir():
+            raise MlxSpecError(f"cannot write {out}: no directory {Path(out).resolve().parent}")
+    if plot_path:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise MlxSpecError("--plot needs matplotlib (pip install matplotlib)") from None
     names = [m.strip() for m in methods.split(",") if m.strip()]
     paths = {}
     for spec in draft_models:

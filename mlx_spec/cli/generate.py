@@ -25,6 +25,10 @@ def encode_prompt(tokenizer, prompt: str, system, use_chat_template: bool):
 @reports_errors
 def generate(prompt_arg, prompt_opt, max_tokens, system, no_chat_template, as_json, **options):
     """Generate a reply to PROMPT, streaming it, then one line of statistics."""
+    if prompt_opt is not None and prompt_arg is not None:
+        raise click.UsageError("give the prompt once: a PROMPT argument or --prompt, not both")
+    if system is not None and no_chat_template:
+        raise click.UsageError("--system goes into the chat template: drop --no-chat-template or --system")
     prompt = prompt_opt if prompt_opt is not None else prompt_arg
     if prompt is None:
         raise click.UsageError("give a PROMPT, or --prompt - to read it from stdin")

@@ -784,7 +784,7 @@ def convert_gguf(
     if dtype not in DTYPES:
         raise MlxSpecError(f"unknown dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
     gguf_path = Path(gguf_path).expanduser()
-    mlx_path = Path(mlx_path).expanduser()
+    mlx_path = Path(mlx_path).expanduser().resolve()   # "." has no name to build siblings from
     if mlx_path.exists() and not mlx_path.is_dir():
         raise MlxSpecError(f"output path exists and is not a directory: {mlx_path}")
     if mlx_path.is_dir() and any(mlx_path.iterdir()) and not overwrite:

@@ -72,13 +72,14 @@ class Source:
     make: Callable
     default_draft_tokens: int
     summary: str
+    uses_draft_model: bool = True   # --draft-model means something to it
 
 
 # Lengths: lookup's and the learned drafters' bound what the policy may verify; a draft model
 # drafts mlx-lm's 3.
 DRAFTERS = {
-    "none": Source(_none, 0, "plain decoding through the same loop"),
-    "lookup": Source(_lookup, 10, "n-grams of the prompt and output"),
+    "none": Source(_none, 0, "plain decoding through the same loop", uses_draft_model=False),
+    "lookup": Source(_lookup, 10, "n-grams of the prompt and output", uses_draft_model=False),
     "model": Source(_draft_model, 3, "a small model with the same tokenizer (--draft-model)"),
     "dflash": Source(_dflash, 8, "DFlash block drafter"),
     "ddtree": Source(_ddtree, 8, "a tree from one DFlash block's distributions"),
@@ -98,4 +99,8 @@ def draft_tokens(method: str, num_draft_tokens=None) -> int:
 
 
 def make_drafter(method: str, target, options: dict):
-    return DRAFTERS[check_method(method)].make(target, options)
+    source = DRAFTERS[check_method(method)]
+    if options.get("draft_model") and not source.uses_draft_model:
+        users = "|".join(name for name, s in DRAFTERS.items() if s.uses_draft_model)
+        raise MlxSpecError(f"--draft-model is for --draft {users}, not --draft {method}")
+    return source.make(target, options)
