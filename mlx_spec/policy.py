@@ -3,8 +3,9 @@
 Each step has two decisions, both maximising expected committed tokens per second:
 1. Before drafting, how many positions to draft (K, 0 = a plain step that pays nothing for
    drafting), from the recent acceptance rate and the measured costs of drafting and of
-   verifying. While drafting does not pay, it still probes now and then (at growing intervals)
-   so that it notices when drafts become good again, e.g. when the output starts copying.
+   verifying. While drafting does not pay, it still probes now and then (one draft, at growing
+   intervals) so that it notices when drafts become good again, e.g. when the output starts
+   copying.
 2. After drafting, which drafts to verify: each draft comes with the drafter's own probability
    of it (its confidence), which a calibration learned online turns into a probability of
    acceptance; a draft is worth verifying for P(it and its ancestors are accepted). Chains keep
@@ -78,10 +79,10 @@ class DraftPolicy:
             self.skipped, self.probe_interval = 0, PROBE_FIRST
             return best_k
         self.skipped += 1
-        if self.skipped >= self.probe_interval:   # probe: has drafting become worth it?
+        if self.skipped >= self.probe_interval:   # probe, cheaply: has drafting become worth it?
             self.skipped, self.probe_interval = 0, min(2 * self.probe_interval, PROBE_MAX)
             self.probing = True
-            return max_k
+            return 1
         return 0
 
     # --- decision 2 ---------------------------------------------------------------------

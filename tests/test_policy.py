@@ -51,7 +51,7 @@ def test_never_accepted_drafts_give_plain_steps_with_rare_probes():
     teach(policy, accepted=False)
     lengths = [policy.draft_length(8) for _ in range(200)]
     assert lengths[:PROBE_FIRST - 1] == [0] * (PROBE_FIRST - 1)
-    assert sum(k > 0 for k in lengths) <= 8          # probes only, at growing intervals
+    assert sum(k > 0 for k in lengths) <= 8 and set(lengths) == {0, 1}   # probes: one draft, growing intervals
     probes = [i for i, k in enumerate(lengths) if k]
     gaps = [b - a for a, b in zip(probes, probes[1:])]
     assert len(probes) >= 3 and gaps == sorted(gaps)

@@ -56,12 +56,9 @@ class DraftModelDrafter(Drafter):
         self.cached = self.cached[:length]
 
     def prefill(self, context, taps, start):
+        # The prompt is fed at the first propose: nothing is paid while the policy drafts nothing.
         self._roll_back(common_prefix_length(self.cached, context[:-1]))
-        keep = len(self.cached)
         self.context = list(context)
-        if len(context) - 1 > keep:
-            self._feed(self.context[keep:-1])
-            mx.eval([c.state for c in self.cache])
 
     def propose(self, k):
         self.pending = None
