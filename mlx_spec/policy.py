@@ -23,6 +23,7 @@ from .cost import LinearCost
 
 BINS = 20               # calibration buckets over confidence in [0, 1]
 PROBE_FIRST, PROBE_MAX = 4, 64
+HOPELESS_PROBE = 256    # steps between probes when even perfect drafts would not pay
 
 
 class Calibration:
@@ -67,7 +68,8 @@ class DraftPolicy:
         self.probing = False
         if max_k <= 0:
             return 0
-        best_k, best_rate = 0, self.margin / max(self.verify_cost(1), 1e-9)
+        plain = self.margin / max(self.verify_cost(1), 1e-9)
+        best_k, best_rate = 0, plain
         expected, reach = 1.0, 1.0
         for k in range(1, max_k + 1):
             reach *= self.alpha
@@ -79,7 +81,11 @@ class DraftPolicy:
             self.skipped, self.probe_interval = 0, PROBE_FIRST
             return best_k
         self.skipped += 1
-        if self.skipped >= self.probe_interval:   # probe, cheaply: has drafting become worth it?
+        # Where even drafts that are always accepted would not pay (a drafter as slow as the
+        # target), probing can only lose: look again rarely, in case the costs changed.
+        hopeless = all((k + 1) / (self.draft_cost(k) + self.verify_cost(k + 1)) <= plain
+                       for k in range(1, max_k + 1))
+        if self.skipped >= (HOPELESS_PROBE if hopeless else self.probe_interval):   # probe, cheaply: has drafting become worth it?
             self.skipped, self.probe_interval = 0, min(2 * self.probe_interval, PROBE_MAX)
             self.probing = True
             return 1

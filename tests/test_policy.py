@@ -132,3 +132,12 @@ def test_engine_drafts_long_for_a_perfect_drafter():
     tokens, stats = run(engine, PROMPT, 120)
     assert tokens == expected
     assert stats.tokens_per_step > 4 and engine.policy.draft_length(6) == 6   # learned: the longest
+
+
+def test_a_drafter_as_slow_as_the_target_is_left_alone():
+    """Drafting one position costs a whole step: even perfect drafts cannot pay, so the
+    policy neither drafts nor probes (but once in a long while)."""
+    policy = measured_policy(verify_slope=0.1, draft_per_position=1.0)
+    teach(policy, accepted=True)
+    lengths = [policy.draft_length(3) for _ in range(200)]
+    assert lengths == [0] * 200
