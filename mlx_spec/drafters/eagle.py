@@ -31,6 +31,9 @@ class EagleDrafter(Drafter):
         self.paired: List[int] = []         # paired[t]: the token at cache position t (context[t+1])
         self.last_hidden = None             # the layer's output at the last position: drafts from it
         self.pending = None                 # the last drafts (lazy until verification)
+        # Committed (tokens, features) not yet run through the layer: while the policy runs plain
+        # steps nothing is paid per step; the next proposal runs them all in one batch.
+        self.waiting: List[tuple] = []
 
     def _fuse(self, taps: Dict[int, mx.array]) -> mx.array:
         return self.model.fuse(mx.concatenate([taps[i] for i in self.taps], axis=-1))
@@ -41,10 +44,17 @@ class EagleDrafter(Drafter):
         self.paired += tokens
         self.last_hidden = out[:, -1:]
 
+    def _catch_up(self) -> None:
+        if self.waiting:
+            tokens = [t for pair_tokens, _ in self.waiting for t in pair_tokens]
+            self._extend(tokens, mx.concatenate([features for _, features in self.waiting], axis=1))
+            self.waiting = []
+
     def prefill(self, context, taps, start):
         # Positions 0..len(context)-2 must end up paired. Pairs before `start` were built in an
         # earlier generation of this session and stay valid where their tokens still match;
         # the engine hands the target's features from `start` on (at least one position).
+        self._catch_up()
         keep = common_prefix_length(self.paired, context[1:])
         if keep < start:
             raise MlxSpecError("EAGLE drafter state is behind the target's cache: start a new session")
@@ -56,7 +66,10 @@ class EagleDrafter(Drafter):
 
     def propose(self, k):
         self.pending = None
-        if k == 0 or self.last_hidden is None:
+        if k == 0:
+            return Draft()
+        self._catch_up()
+        if self.last_hidden is None:   # nothing paired yet (a one-token prompt's first step)
             return Draft()
         if self.tree_budget:
             return self._propose_tree(depth=k)
@@ -79,7 +92,7 @@ class EagleDrafter(Drafter):
         accepted = [drafts[i] for i in path] if path is not None else drafts[:n_accepted]
         rollback_to(self.cache, len(self.paired))  # drop the speculative entries
         # taps cover [last committed token, accepted drafts]: each pairs with the token after it.
-        self._extend(accepted + [next_token], self._fuse(taps))
+        self.waiting.append((accepted + [next_token], self._fuse(taps)))
 
     def _propose_tree(self, depth: int) -> Draft:
         """EAGLE-2's dynamic tree: grow `depth` levels, each time expanding the top-k frontier
