@@ -1,6 +1,7 @@
 """The draft-length policy: drafts nothing when drafts are never accepted, the longest drafts
 when they always are, follows the measured costs, and never changes the output."""
 
+import pytest
 from tiny import ScriptedDrafter, plain_greedy, run, tiny_target
 
 from mlx_spec.cost import LinearCost
@@ -116,22 +117,20 @@ def cpu_like_policy():
     return policy
 
 
-def test_engine_drafts_almost_nothing_for_a_useless_drafter():
+@pytest.mark.parametrize("useful", [False, True], ids=["never-accepted", "always-accepted"])
+def test_engine_drafts_what_pays(useful):
+    """Through the engine, with CPU-like costs: a drafter never accepted ends up drafting almost
+    nothing, one always accepted drafts the longest length; the output is the target's."""
     target = tiny_target("llama", seed=1)
     expected = plain_greedy(target.model, PROMPT, 120)
-    engine = Engine(target, AlwaysWrong(expected, 10**6, 32), num_draft_tokens=6, policy=cpu_like_policy())
+    drafter = (ScriptedDrafter if useful else AlwaysWrong)(expected, 10**6, 32)
+    engine = Engine(target, drafter, num_draft_tokens=6, policy=cpu_like_policy())
     tokens, stats = run(engine, PROMPT, 120)
     assert tokens == expected
-    assert stats.accepted == 0 and stats.plain_steps > 0.85 * stats.steps and stats.proposed < 0.15 * stats.steps
-
-
-def test_engine_drafts_long_for_a_perfect_drafter():
-    target = tiny_target("llama", seed=1)
-    expected = plain_greedy(target.model, PROMPT, 120)
-    engine = Engine(target, ScriptedDrafter(expected, 10**6, 32), num_draft_tokens=6, policy=cpu_like_policy())
-    tokens, stats = run(engine, PROMPT, 120)
-    assert tokens == expected
-    assert stats.tokens_per_step > 4 and engine.policy.draft_length(6) == 6   # learned: the longest
+    if useful:
+        assert stats.tokens_per_step > 4 and engine.policy.draft_length(6) == 6
+    else:
+        assert stats.accepted == 0 and stats.plain_steps > 0.85 * stats.steps and stats.proposed < 0.15 * stats.steps
 
 
 def test_a_drafter_as_slow_as_the_target_is_left_alone():
