@@ -12,7 +12,6 @@ from mlx_spec.drafters.draft_model import DraftModelDrafter
 from mlx_spec.drafters.eagle import EagleDrafter
 from mlx_spec.drafters.lookup import LookupDrafter
 from mlx_spec.engine import Engine
-from mlx_spec.models.dflash import load_dflash
 from mlx_spec.models.eagle3 import load_eagle3
 from mlx_spec.sampling import SamplingParams
 

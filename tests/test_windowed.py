@@ -13,7 +13,6 @@ from mlx_spec.drafters.draft_model import DraftModelDrafter
 from mlx_spec.drafters.lookup import LookupDrafter
 from mlx_spec.engine import Engine
 from mlx_spec.errors import MlxSpecError
-from mlx_spec.sampling import SamplingParams
 
 WINDOW = 8
 WINDOWED = {
