@@ -28,11 +28,6 @@ def _layers(cache):
             yield c
 
 
-def is_recurrent(cache: Sequence[Any]) -> bool:
-    """True when some layer keeps a recurrent state, which cannot roll back by position."""
-    return any(isinstance(c, ArraysCache) for c in _layers(cache))
-
-
 def check_speculation(cache: Sequence[Any], model_type: str, what: str = "speculative decoding") -> None:
     """Refuse, in one line and before any token, a cache that verification could not roll
     back: a recurrent state would need every drafted position replayed."""

@@ -144,8 +144,9 @@ class Engine:
             path = list(range(n_accepted))
             self.cached_tokens = context + drafts
             self._roll_back(start + 1 + n_accepted)
-            # A cache that had to start again is filled with the committed tokens (exact, slow).
-            self._fill(context + drafts[:n_accepted])
+            if len(self.cached_tokens) < start + 1 + n_accepted:
+                # The cache had to start again: fill it with the committed tokens (exact, slow).
+                self._fill(context + drafts[:n_accepted])
             rows = slice(0, n_accepted + 1)
         else:
             tree = Tree(draft.parents)

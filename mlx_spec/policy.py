@@ -81,15 +81,19 @@ class DraftPolicy:
             self.skipped, self.probe_interval = 0, PROBE_FIRST
             return best_k
         self.skipped += 1
-        # Where even drafts that are always accepted would not pay (a drafter as slow as the
-        # target), probing can only lose: look again rarely, in case the costs changed.
-        hopeless = all((k + 1) / (self.draft_cost(k) + self.verify_cost(k + 1)) <= plain
-                       for k in range(1, max_k + 1))
-        if self.skipped >= (HOPELESS_PROBE if hopeless else self.probe_interval):   # probe, cheaply: has drafting become worth it?
+        # Probe, cheaply: has drafting become worth it? (Rarely where even perfect drafts cannot
+        # pay; that check runs only when a probe would otherwise be due.)
+        due = self.skipped >= self.probe_interval and not self._hopeless(max_k, plain)
+        if due or self.skipped >= HOPELESS_PROBE:
             self.skipped, self.probe_interval = 0, min(2 * self.probe_interval, PROBE_MAX)
             self.probing = True
             return 1
         return 0
+
+    def _hopeless(self, max_k: int, plain: float) -> bool:
+        """Whether even drafts that are always accepted would not pay (a drafter as slow as the
+        target): then probing can only lose, and looks again rarely, in case costs changed."""
+        return all((k + 1) / (self.draft_cost(k) + self.verify_cost(k + 1)) <= plain for k in range(1, max_k + 1))
 
     # --- decision 2 ---------------------------------------------------------------------
     def reach(self, confidence: Sequence[Optional[float]], parents: Sequence[int]) -> List[float]:
