@@ -29,7 +29,8 @@ PREFILL_CHUNK = 2048   # mlx-lm's prefill_step_size
 @dataclass
 class Stats:
     prompt_tokens: int = 0
-    prompt_seconds: float = 0.0
+    prompt_cached: int = 0      # prompt tokens whose K/V the cache kept from an earlier call
+    prompt_seconds: float = 0.0 # computing the others (but the last, which the first step feeds)
     generated_tokens: int = 0
     committed: int = 0          # tokens committed by verification steps (EOS included)
     steps: int = 0
@@ -60,7 +61,9 @@ class Stats:
 
     @property
     def prompt_tokens_per_second(self) -> float:
-        return self.prompt_tokens / self.prompt_seconds if self.prompt_seconds else 0.0
+        """Prompt tokens computed (not cached) per second."""
+        computed = self.prompt_tokens - self.prompt_cached - 1
+        return computed / self.prompt_seconds if computed > 0 and self.prompt_seconds else 0.0
 
     def as_dict(self) -> dict:
         d = {k: v for k, v in asdict(self).items() if k not in ("committed",)}
@@ -80,13 +83,14 @@ class Engine:
         that the output can be repeated). residual: the classic acceptance rule (sampling.py)."""
         self.target = target
         self.drafter = drafter or NoDrafter()
+        self.speculative = not isinstance(self.drafter, NoDrafter)
         self.num_draft_tokens = num_draft_tokens
         self.sampler = Sampler(sampling.check(target.vocab_size),
                                secrets.randbits(32) if seed is None else seed, residual)
         self.drafter.sampler = self.sampler   # the drafter draws with the same noise
-        self.policy = (policy or DraftPolicy()) if adaptive and not isinstance(self.drafter, NoDrafter) else None
+        self.policy = (policy or DraftPolicy()) if adaptive and self.speculative else None
         self.cache = make_cache(target.model)
-        if not isinstance(self.drafter, NoDrafter):
+        if self.speculative:
             check_speculation(self.cache, target.model_type)
         if self.drafter.tree:
             check_tree(self.cache, target.model_type)
@@ -175,8 +179,9 @@ class Engine:
                             **({"path": [kept[i] for i in path]} if draft.parents is not None else {}))
         return len(proposal), drafts, path, next_token
 
-    def _prefill(self, context: List[int]) -> None:
-        """Bring the cache to context[:-1], reusing the longest prefix already there."""
+    def _prefill(self, context: List[int]) -> int:
+        """Bring the cache to context[:-1], reusing the longest prefix already there; return
+        how many tokens were reused."""
         start = min(common_prefix_length(self.cached_tokens, context), len(context) - 1)
         if self.drafter.taps and start > 0:
             # Recompute at least one position: feature drafters pair the last prompt token with
@@ -186,6 +191,7 @@ class Engine:
         start = len(self.cached_tokens)   # 0 when the cache could not roll back
         taps = self._fill(list(context[:-1]))
         self.drafter.prefill(list(context), taps, start)
+        return start
 
     def generate(self, prompt: Sequence[int], max_tokens: int = 256,
                  stop_strings: Sequence[str] = ()) -> Iterator[tuple]:
@@ -193,7 +199,7 @@ class Engine:
         self._check(prompt, max_tokens)
         stats = Stats(prompt_tokens=len(prompt), seed=self.sampler.seed)
         tic = time.perf_counter()
-        self._prefill(prompt)
+        stats.prompt_cached = self._prefill(prompt)
         stats.prompt_seconds = time.perf_counter() - tic
 
         output = _Output(self.target, stop_strings, max_tokens, stats)

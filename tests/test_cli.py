@@ -36,7 +36,7 @@ def test_generate_json_matches_the_stream():
     assert code == 0, err
     result = json.loads(out)
     assert set(result) == {"text", "tokens", "stats"}
-    assert set(result["stats"]) == {"prompt_tokens", "generated_tokens", "steps", "tokens_per_step",
+    assert set(result["stats"]) == {"prompt_tokens", "prompt_cached", "generated_tokens", "steps", "tokens_per_step",
                                     "acceptance_rate", "tokens_per_second", "prompt_seconds",
                                     "generate_seconds", "seed", "mean_draft_length", "plain_steps",
                                     "drafted", "finish_reason"}
@@ -44,7 +44,7 @@ def test_generate_json_matches_the_stream():
     code, streamed, err = cli(["generate", "List three fruits.", "--max-tokens", "24", "--draft", "none"])
     assert code == 0
     assert streamed.strip() == result["text"].strip()
-    assert "tokens/step" in err and "tok/s" in err
+    assert "(no drafting)" in err and "tok/s" in err
 
 
 def test_generate_reads_stdin():
@@ -143,3 +143,118 @@ def test_chat_turns_reset_and_ctrl_c_keeps_the_conversation():
     # tokens before /reset than after.
     assert prompts[0] > prompts[1] + 15
     assert out.startswith(printed)                 # nothing printed was taken back
+
+
+def test_chat_in_a_terminal():
+    """What a user at a terminal expects: line editing and history, one message from a pasted
+    block or from lines joined by a backslash or triple quotes, a long paste kept whole (past the
+    kernel's 4095-character line), /help, unknown commands not sent to the model, Ctrl-C that
+    clears the line, a full context that says /reset, Ctrl-D that leaves."""
+    from terminal import Terminal
+
+    term = Terminal([sys.executable, "-m", "mlx_spec.cli", "chat", "-m", "2", "--draft", "none"])
+    reply = r"prompt: (\d+) tokens.*\n"
+    term.expect(">> ")
+    term.type("/xyz\x1b[DQ\r")                       # left arrow, then an insertion
+    assert term.expect(r"unknown command (\S+);").group(1) == b"/xyQz"
+    term.expect(">> ")
+    term.type("\x1b[A\r")                            # up arrow: the last line again
+    assert term.expect(r"unknown command (\S+);").group(1) == b"/xyQz"
+    term.expect(">> ")
+    term.type("/help\r")
+    term.expect(r"/help +list.*\n/reset +start.*\n/quit +leave")
+
+    def message(*keys):
+        """Type `keys` at the next prompt; the prompt length of the reply that follows."""
+        term.expect(">> ")
+        for k in keys:
+            term.type(k)
+        return int(term.expect(reply).group(1))
+
+    first = message("Hi\r")
+    pasted = message("\x1b[200~line one\nline two\nline three\x1b[201~\r")   # bracketed paste
+    joined = message("line one \\\r", "line two\r")
+    quoted = message('"""\r', "line one\r", "line two\r", "line three\r", '"""\r')
+    assert min(pasted, joined, quoted) > first
+    long_line = message("alpha " * 2463 + "\r")               # 14,778 characters, one line
+    assert long_line > 2400, long_line
+    # The cached conversation is not counted as computed prompt: the rate is of the new tokens.
+    assert re.search(rb"prompt: %d tokens \(\d+ cached\)" % long_line, term.seen)
+
+    term.expect(">> ")
+    term.type("some words")
+    time.sleep(0.5)
+    term.type("\x03")                                 # Ctrl-C: the line goes, the chat stays
+    term.expect(">> ")
+    term.type("alpha " * 9000 + "\r")
+    term.expect(r"fills the model's context of 8192 tokens: /reset starts a new one")
+    term.expect(">> ")
+    term.type("/reset\r")
+    term.expect(r"\(conversation reset\)")
+    term.expect(">> ")
+    term.type("\x04")                                 # Ctrl-D
+    assert term.wait() == 0
+    assert b"Traceback" not in term.seen
+    # One reply per message: no pasted or continued line became a turn of its own.
+    assert len(re.findall(rb"prompt: \d+ tokens", term.seen)) == 5
+
+
+def test_chat_refuses_a_reply_longer_than_the_context_at_start():
+    code, out, err = cli(["chat", "-m", "9000"], input="Hello\n")
+    assert_one_line_error(code, err, "--max-tokens 9000 leaves no room", "8192")
+    assert not out
+
+
+def test_stats_line_says_what_it_counts():
+    from mlx_spec.cli.common import stats_line
+    from mlx_spec.engine import Stats
+
+    stats = Stats(prompt_tokens=155, prompt_cached=142, prompt_seconds=0.5, generated_tokens=43,
+                  committed=44, steps=22, proposed=40, accepted=22, plain_steps=2,
+                  generate_seconds=2.0, finish_reason="eos")
+    line = stats_line(stats)
+    assert "prompt: 155 tokens (142 cached), 24.0 tok/s" in line   # 12 computed (the last: step 1)
+    assert "generated: 43 tokens + end of text in 22 steps, 2.00 tokens/step" in line
+    assert "acceptance 55%" in line and "21.5 tok/s" in line
+    one = Stats(prompt_tokens=1, generated_tokens=1, committed=1, steps=1, plain_steps=1,
+                generate_seconds=0.1, finish_reason="length")
+    line = stats_line(one, speculative=False)
+    assert "prompt: 1 token |" in line                  # nothing computed, so no rate
+    assert "generated: 1 token in 1 step (no drafting)" in line and "acceptance" not in line
+    assert "--max-tokens reached, the reply is cut" in line
+    assert "acceptance n/a" in stats_line(one)          # a drafter that never drafted
+
+
+@pytest.mark.parametrize("method, shipped, fragments", [
+    ("eagle", "dflash", ["is a DFlash drafter", "use --draft dflash or --draft ddtree"]),
+    ("model", "eagle", ["is an EAGLE-3 drafter", "use --draft eagle"]),
+    ("dflash", "default", ["is a language model", "use --draft model"]),
+])
+def test_a_checkpoint_of_another_kind_is_named(method, shipped, fragments):
+    from mlx_spec.models.default import default_model_path
+    from mlx_spec.models.default import shipped_drafter
+
+    path = default_model_path() if shipped == "default" else shipped_drafter(shipped, default_model_path())
+    code, _, err = cli(["generate", "Hello", "--draft", method, "--draft-model", str(path)])
+    assert_one_line_error(code, err, *fragments)
+
+
+def test_every_option_and_command_is_explained():
+    import click
+
+    from mlx_spec.cli import main
+    from mlx_spec.drafters import DRAFTERS
+
+    def walk(command, path):
+        yield path, command
+        for name, sub in getattr(command, "commands", {}).items():
+            yield from walk(sub, path + [name])
+
+    for path, command in walk(main, ["mlx-spec"]):
+        for param in command.params:
+            if isinstance(param, click.Option):
+                assert param.help, f"{' '.join(path)} {param.opts[0]} has no help text"
+        summaries = click.Context(command).get_help().split("Commands:")[-1]
+        assert "..." not in summaries, f"{' '.join(path)} cuts a command's summary"
+    code, out, _ = cli(["bench", "--help"])
+    assert all(method in out for method in DRAFTERS)

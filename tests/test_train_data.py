@@ -29,6 +29,10 @@ def test_train_data_answers_with_the_target_and_resumes(tmp_path):
     assert "5 written, 0 already there" in first.stderr
     second = subprocess.run(args + ["--limit", "9"], capture_output=True, text=True, timeout=600)
     assert "4 written, 5 already there" in second.stderr
+    held = sum(is_heldout(p["id"]) for p in build_prompts()[:9])
+    assert f"{9 - held} in train.jsonl, {held} in heldout.jsonl" in second.stderr
+    # An empty held-out split is said, with why (the hashed split), not left to be found.
+    assert ("heldout.jsonl is not written" in second.stderr) == (held == 0)
     rows = read_split(out, "train") + read_split(out, "heldout")
     assert len(rows) == 9 and len({r["id"] for r in rows}) == 9
     for row in rows:

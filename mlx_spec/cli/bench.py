@@ -2,15 +2,17 @@ from pathlib import Path
 
 import click
 
+from ..drafters import DRAFTERS
 from .common import echo_err, reports_errors
 
 
-@click.command("bench")
+@click.command("bench", short_help="Time draft methods against plain mlx-lm, per prompt category.")
 @click.option("--model", "model_path", default=None, help="mlx-lm model directory (default: the embedded model).")
 @click.option("--dtype", default="auto", show_default=True, help="auto|float32|float16|bfloat16|keep.")
 @click.option("--prompts", default=None, help="JSONL: {\"prompt\"} or {\"question_id\", \"category\", \"turns\"}.")
 @click.option("--category", "categories", multiple=True, help="Only these categories (repeatable).")
-@click.option("--methods", default="none,lookup", show_default=True, help="Comma-separated draft methods.")
+@click.option("--methods", default="none,lookup", show_default=True,
+              help=f"Comma-separated draft methods: {', '.join(DRAFTERS)}.")
 @click.option("--draft-model", "draft_models", multiple=True,
               help="METHOD=PATH (or PATH for every method that needs one); repeatable.")
 @click.option("--num-draft-tokens", type=click.IntRange(0), default=None,
@@ -19,10 +21,12 @@ from .common import echo_err, reports_errors
               help="eagle: a tree of this many nodes (0: a chain); ddtree: the most nodes (0: 16).")
 @click.option("--tree-topk", type=click.IntRange(1, 64), default=None,
               help="eagle: children per expanded node [8]; ddtree: candidates per position [4].")
-@click.option("--max-tokens", "-m", type=click.IntRange(1), default=128, show_default=True)
-@click.option("--repeats", type=click.IntRange(1), default=3, show_default=True)
-@click.option("--temp", type=float, default=0.0, show_default=True)
-@click.option("--top-p", type=float, default=1.0, show_default=True)
+@click.option("--max-tokens", "-m", type=click.IntRange(1), default=128, show_default=True,
+              help="Most tokens generated per prompt (and per turn).")
+@click.option("--repeats", type=click.IntRange(1), default=3, show_default=True,
+              help="Runs of each prompt per method; the table reports medians.")
+@click.option("--temp", type=float, default=0.0, show_default=True, help="Sampling temperature (0: greedy).")
+@click.option("--top-p", type=float, default=1.0, show_default=True, help="Nucleus sampling.")
 @click.option("--seed", type=int, default=0, show_default=True,
               help="Sampling seed, the same for every method (which then all print the same text).")
 @click.option("--adaptive/--fixed", default=True, show_default=True,

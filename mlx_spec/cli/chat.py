@@ -1,52 +1,113 @@
+import re
+import sys
+
 import click
 
 from ..errors import MlxSpecError
 from .common import echo_err, load_engine, model_options, reports_errors, stats_line, stream
 
-HELP = "Type a message. /reset starts over, /quit leaves. Ctrl-C stops a reply."
+COMMANDS = {
+    "/help": "list these commands",
+    "/reset": "start a new conversation (the --system message stays)",
+    "/quit": "leave (Ctrl-D too)",
+}
+GREETING = ('Type a message and press Enter; end a line with \\ to go on to the next, or put """ '
+            "on lines of their own around several lines. /help lists the commands. Ctrl-C stops a "
+            "reply or clears the line; Ctrl-D leaves.")
 
 
-@click.command("chat")
+def line_editing() -> None:
+    """Arrow keys, history and no line-length limit, as in a shell: GNU readline takes over the
+    terminal (and with it the kernel's 4095-character line limit) and pastes several lines as
+    one message (bracketed paste)."""
+    if sys.stdin.isatty():
+        try:
+            import readline  # noqa: F401  (input() uses it once imported)
+        except ImportError:  # Python built without it: plain input()
+            pass
+
+
+def read_message(prompt: str = ">> ", more: str = ".. ") -> str:
+    """One message: a line, lines joined by a trailing backslash, or the lines between two
+    lines of triple quotes."""
+    line = input(prompt)
+    if line.strip() == '"""':
+        lines = []
+        while (line := input(more)).strip() != '"""':
+            lines.append(line)
+        return "\n".join(lines)
+    lines = []
+    while line.endswith("\\"):
+        lines.append(line[:-1])
+        line = input(more)
+    return "\n".join(lines + [line])
+
+
+@click.command("chat", short_help="Chat in the terminal, with line editing and history.")
 @model_options
 @click.option("--max-tokens", "-m", type=click.IntRange(1), default=512, show_default=True,
-              help="Most tokens per reply.")
+              help="Most tokens per reply (fewer when the conversation nears the context limit).")
 @click.option("--system", default=None, help="System message.")
 @reports_errors
 def chat(max_tokens, system, **options):
-    """Chat with the model in the terminal; the KV cache is kept across turns."""
+    """Chat in the terminal, with line editing; the cache is kept across turns."""
     engine = load_engine(**options)
     tokenizer = engine.target.tokenizer
+    limit = engine.target.context_length
     start = [{"role": "system", "content": system}] if system else []
+    if limit is not None:
+        first = len(tokenizer.apply_chat_template(start + [{"role": "user", "content": "Hi"}],
+                                                  add_generation_prompt=True))
+        if first + max_tokens > limit:
+            raise MlxSpecError(f"--max-tokens {max_tokens} leaves no room for a message in the "
+                               f"model's context of {limit} tokens")
     messages = list(start)
-    echo_err(HELP)
+    line_editing()
+    echo_err(GREETING)
     while True:
         try:
-            line = input(">> ")
-        except (EOFError, KeyboardInterrupt):
+            line = read_message()
+        except EOFError:
             click.echo()
             return
-        if line.strip() == "/quit":
+        except KeyboardInterrupt:  # as in a shell: the line is dropped, the chat goes on
+            click.echo()
+            continue
+        command = line.strip()
+        if command == "/quit":
             return
-        if line.strip() == "/reset":
+        if command == "/help":
+            echo_err("\n".join(f"{name:8} {what}" for name, what in COMMANDS.items()))
+            continue
+        if command == "/reset":
             messages = list(start)
             engine.reset()
             echo_err("(conversation reset)")
             continue
-        if not line.strip():
+        if re.fullmatch(r"/[A-Za-z]+", command):   # not "/usr/bin is ...", which is a message
+            echo_err(f"unknown command {command}; /help lists the commands")
+            continue
+        if not command:
             continue
         messages.append({"role": "user", "content": line})
         tokens = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        room = max_tokens if limit is None else min(max_tokens, limit - len(tokens))
+        if room < 1:
+            messages.pop()
+            echo_err(f"the conversation ({len(tokens)} tokens with this message) fills the model's "
+                     f"context of {limit} tokens: /reset starts a new one")
+            continue
         pieces = []
         try:
-            _, reply, stats = stream(engine.generate(tokens, max_tokens=max_tokens), pieces=pieces)
+            _, reply, stats = stream(engine.generate(tokens, max_tokens=room), pieces=pieces)
             click.echo()
-            echo_err(stats_line(stats))
+            echo_err(stats_line(stats, engine.speculative))
         except KeyboardInterrupt:
             # Keep what was printed: it becomes the assistant's turn in the history.
             reply = "".join(pieces)
             click.echo()
             echo_err("(interrupted)")
-        except MlxSpecError as e:  # e.g. the conversation outgrew the context
+        except MlxSpecError as e:
             messages.pop()
             echo_err(f"Error: {e}")
             continue

@@ -89,12 +89,31 @@ def load_engine(model_path, dtype, method, draft_model, num_draft_tokens, ngram_
                   residual=residual, adaptive=adaptive)
 
 
-def stats_line(stats) -> str:
-    return (f"prompt: {stats.prompt_tokens} tokens, {stats.prompt_tokens_per_second:.1f} tok/s | "
-            f"generated: {stats.generated_tokens} tokens in {stats.steps} steps, "
-            f"{stats.tokens_per_step:.2f} tokens/step, acceptance {stats.acceptance_rate:.0%}, "
-            f"{stats.mean_draft_length:.2f} drafts/step ({stats.plain_steps} plain steps), "
-            f"{stats.tokens_per_second:.1f} tok/s")
+def count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
+ENDINGS = {"eos": "end of text", "length": "--max-tokens reached, the reply is cut",
+           "stop": "stop string"}
+
+
+def stats_line(stats, speculative: bool = True) -> str:
+    """One line that says what each figure counts: the prompt tokens the cache already held are
+    not in the prompt rate; the end-of-text token is committed by a step but not printed."""
+    cached = f" ({stats.prompt_cached} cached)" if stats.prompt_cached else ""
+    rate = stats.prompt_tokens_per_second
+    prompt = f"prompt: {count(stats.prompt_tokens, 'token')}{cached}" + (f", {rate:.1f} tok/s" if rate else "")
+    eos = " + end of text" if stats.finish_reason == "eos" else ""
+    generated = f"generated: {count(stats.generated_tokens, 'token')}{eos} in {count(stats.steps, 'step')}"
+    if speculative:
+        acceptance = f"{stats.acceptance_rate:.0%}" if stats.proposed else "n/a"
+        generated += (f", {stats.tokens_per_step:.2f} tokens/step, acceptance {acceptance}, "
+                      f"{stats.mean_draft_length:.2f} drafts/step ({stats.plain_steps} plain)")
+    else:
+        generated += " (no drafting)"
+    ending = ENDINGS.get(stats.finish_reason)
+    return (f"{prompt} | {generated}, {stats.tokens_per_second:.1f} tok/s"
+            + (f" | {ending}" if ending else ""))
 
 
 def echo_err(text: str, **kwargs) -> None:

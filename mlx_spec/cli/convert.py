@@ -9,7 +9,7 @@ import click
 from mlx_spec.errors import MlxSpecError
 
 
-@click.command("convert")
+@click.command("convert", short_help="Convert a GGUF file to an MLX model directory.")
 @click.option(
     "--gguf",
     "gguf_path",

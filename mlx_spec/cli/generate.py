@@ -14,11 +14,12 @@ def encode_prompt(tokenizer, prompt: str, system, use_chat_template: bool):
     return tokenizer.encode(prompt)
 
 
-@click.command("generate")
+@click.command("generate", short_help="Stream a reply to one prompt, then its statistics.")
 @click.argument("prompt_arg", metavar="[PROMPT]", required=False)
 @click.option("--prompt", "prompt_opt", default=None, help="The prompt; '-' reads it from stdin.")
 @model_options
-@click.option("--max-tokens", "-m", type=click.IntRange(1), default=256, show_default=True)
+@click.option("--max-tokens", "-m", type=click.IntRange(1), default=256, show_default=True,
+              help="Most tokens generated.")
 @click.option("--system", default=None, help="System message (with the chat template).")
 @click.option("--no-chat-template", is_flag=True, help="Feed the prompt as raw text.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the stream.")
@@ -39,7 +40,7 @@ def generate(prompt_arg, prompt_opt, max_tokens, system, no_chat_template, as_js
     events = engine.generate(tokens, max_tokens=max_tokens)
     if as_json:
         generated, text, stats = stream(events, out=None)
-        keys = ("prompt_tokens", "generated_tokens", "steps", "tokens_per_step", "acceptance_rate",
+        keys = ("prompt_tokens", "prompt_cached", "generated_tokens", "steps", "tokens_per_step", "acceptance_rate",
                 "tokens_per_second", "prompt_seconds", "generate_seconds", "seed", "mean_draft_length",
                 "plain_steps", "drafted", "finish_reason")
         all_stats = stats.as_dict()
@@ -48,4 +49,4 @@ def generate(prompt_arg, prompt_opt, max_tokens, system, no_chat_template, as_js
     else:
         _, _, stats = stream(events)
         click.echo()
-        echo_err(stats_line(stats))
+        echo_err(stats_line(stats, engine.speculative))

@@ -6,12 +6,12 @@ import click
 from .common import echo_err, reports_errors
 
 
-@click.group("train")
+@click.group("train", short_help="Build drafter training data; train EAGLE-3 and DFlash drafters.")
 def train():
     """Build drafter training data; train EAGLE-3 and DFlash drafters against a frozen target."""
 
 
-@train.command("data")
+@train.command("data", short_help="Answer assembled prompts with the target (resumable).")
 @click.option("--target", "model_path", default=None, help="Target model directory (default: the embedded model).")
 @click.option("--out", "out_dir", required=True, help="Output directory (train.jsonl, heldout.jsonl).")
 @click.option("--limit", type=click.IntRange(1), default=None, help="Use only the first N prompts.")
@@ -19,8 +19,10 @@ def train():
 @click.option("--batch-size", type=click.IntRange(1), default=32, show_default=True,
               help="Sequences decoded together (32: ~10x the one-sequence rate on 2 CPU cores).")
 @click.option("--temp", type=float, default=0.0, show_default=True, help="0: greedy responses.")
-@click.option("--dtype", default="auto", show_default=True)
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--dtype", default="auto", show_default=True,
+              help="Target dtype (auto: float32 on the CPU).")
+@click.option("--seed", type=int, default=0, show_default=True,
+              help="Order of the prompts (and the sampling noise when --temp > 0).")
 @reports_errors
 def data(model_path, out_dir, limit, max_tokens, batch_size, temp, dtype, seed):
     """Answer assembled prompts with the target; resumable, with a held-out split."""
@@ -36,7 +38,11 @@ def data(model_path, out_dir, limit, max_tokens, batch_size, temp, dtype, seed):
     with click.progressbar(length=total, label="answering", file=sys.stderr) as bar:
         counts = generate_data(target, out_dir, limit=limit, max_tokens=max_tokens, batch_size=batch_size,
                                temp=temp, seed=seed, progress=bar.update)
-    echo_err(f"{counts['written']} written, {counts['skipped']} already there, {counts['total']} prompts -> {out_dir}")
+    echo_err(f"{counts['written']} written, {counts['skipped']} already there, {counts['total']} prompts -> "
+             f"{out_dir}: {counts['train']} in train.jsonl, {counts['heldout']} in heldout.jsonl")
+    if not counts["heldout"]:
+        echo_err("heldout.jsonl is not written: a hash of each prompt's id puts ~5% of the prompts there, "
+                 "and none of these fell in it (use more prompts, or a larger --limit)")
 
 
 def _int_list(ctx, param, value):
@@ -65,7 +71,8 @@ def training_options(f):
                      help="Peak AdamW learning rate [eagle: 3e-4, dflash: 6e-4]."),
         click.option("--warmup", type=click.IntRange(0), default=50, show_default=True,
                      help="Linear warmup steps, then cosine decay to lr/10."),
-        click.option("--weight-decay", type=click.FloatRange(0), default=0.0, show_default=True),
+        click.option("--weight-decay", type=click.FloatRange(0), default=0.0, show_default=True,
+                     help="AdamW weight decay."),
         click.option("--max-length", type=click.IntRange(4), default=1024, show_default=True,
                      help="Longest sequence (prompt + response) in tokens."),
         click.option("--save-every", type=click.IntRange(0), default=200, show_default=True,
@@ -77,7 +84,8 @@ def training_options(f):
         click.option("--max-minutes", type=click.FloatRange(0), default=0, show_default=True,
                      help="Stop after this many minutes of training, checkpointed (0: no limit); "
                           "--resume continues."),
-        click.option("--seed", type=int, default=0, show_default=True),
+        click.option("--seed", type=int, default=0, show_default=True,
+                     help="Initial weights, batch order and anchors."),
         click.option("--dtype", default="auto", show_default=True,
                      help="Target dtype (auto: float32 on the CPU). The drafter trains in float32."),
         click.option("--save-dtype", type=click.Choice(["float32", "float16", "bfloat16"]),
@@ -145,7 +153,7 @@ def _run_training(label, train_fn, options, model_path, data_dir, out_dir, dtype
     echo_err(f"{result.step} steps{last} -> {result.path}")
 
 
-@train.command("eagle")
+@train.command("eagle", short_help="Train an EAGLE-3 draft layer against the frozen target.")
 @training_options
 @click.option("--ttt-steps", type=click.IntRange(1), default=7, show_default=True,
               help="Training-time test: steps the layer runs on its own outputs.")
@@ -167,10 +175,11 @@ def eagle(model_path, data_dir, out_dir, steps, batch_size, lr, warmup, weight_d
     _run_training("eagle", train_eagle, options, model_path, data_dir, out_dir, dtype, resume, feature_cache)
 
 
-@train.command("dflash")
+@train.command("dflash", short_help="Train a DFlash drafter against the frozen target.")
 @training_options
 @click.option("--layers", type=click.IntRange(1), default=2, show_default=True, help="Drafter layers.")
-@click.option("--block-size", type=click.IntRange(2), default=16, show_default=True)
+@click.option("--block-size", type=click.IntRange(2), default=16, show_default=True,
+              help="Tokens per block: the anchor and the positions drafted from it in one pass.")
 @click.option("--target-layers", callback=_int_list, default=None,
               help="Tapped target layers (output of layer i), e.g. 1,8,14,20,27 (default: spread "
                    "from 1 to N-3, one per drafter layer, as z-lab).")

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from ..errors import MlxSpecError
+from ..models.checkpoint import check_kind
 
 
 def _none(target, options):
@@ -26,6 +27,7 @@ def _draft_model(target, options):
 
     if not options.get("draft_model"):
         raise MlxSpecError("--draft model needs --draft-model PATH (a small mlx-lm model)")
+    check_kind(options["draft_model"], "model")
     draft = load_target(options["draft_model"], options.get("dtype", "auto"))
     check_same_vocabulary(target, draft)
     return DraftModelDrafter(draft, target.vocab_size)
@@ -39,6 +41,7 @@ def _drafter_path(method: str, target, options: dict, what: str, shipped: str = 
     if not path:
         raise MlxSpecError(f"--draft {method} needs --draft-model PATH ({what}); one ships only for "
                            "the default model")
+    check_kind(path, method)
     return path
 
 

@@ -31,6 +31,42 @@ def read_config(path, what: str) -> dict:
     return config
 
 
+# What config.json says a checkpoint is, and the --draft values that read it.
+KINDS = {
+    "dflash": ("a DFlash drafter", ("dflash", "ddtree")),
+    "eagle": ("an EAGLE-3 drafter", ("eagle",)),
+    "medusa": ("Medusa heads", ()),
+    "model": ("a language model", ("model",)),
+}
+
+
+def checkpoint_kind(config: dict):
+    """'dflash', 'eagle', 'medusa' or 'model' (a whole language model), from config.json;
+    None when it says none of these."""
+    architectures = [str(a) for a in config.get("architectures") or []]
+    if "DFlashDraftModel" in architectures or "dflash_config" in config:
+        return "dflash"
+    if (config.get("speculators_model_type") or any("eagle" in a.lower() for a in architectures)
+            or "eagle_aux_hidden_state_layer_ids" in config or "draft_vocab_size" in config):
+        return "eagle"
+    if "medusa_num_heads" in config:
+        return "medusa"
+    if "model_type" in config:
+        return "model"
+    return None
+
+
+def check_kind(path, method: str) -> None:
+    """A one-line error when the checkpoint at `path` is not of a kind --draft `method` reads,
+    naming what it is and the --draft value that fits it."""
+    kind = checkpoint_kind(read_config(path, "--draft-model"))
+    if kind is None or method in KINDS[kind][1]:
+        return
+    what, methods = KINDS[kind]
+    fits = f"use --draft {' or --draft '.join(methods)}" if methods else "no --draft source reads it yet"
+    raise MlxSpecError(f"{path} is {what}, not what --draft {method} needs: {fits}")
+
+
 def check_not_pickled(path) -> None:
     path = Path(path)
     if not list(path.glob("*.safetensors")) and any(f.suffix in PICKLED for f in path.iterdir()):

@@ -152,6 +152,8 @@ def generate_data(target, out_dir, limit: Optional[int] = None, max_tokens: int 
         if progress:
             progress(len(batch))
     counts["total"] = len(prompts)
+    for split in ("train", "heldout"):
+        counts[split] = len(read_split(out_dir, split))
     return counts
 
 
