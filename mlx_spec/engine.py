@@ -77,10 +77,13 @@ class Engine:
 
     def __init__(self, target, drafter: Optional[Drafter] = None, num_draft_tokens: int = 8,
                  sampling: SamplingParams = SamplingParams(), seed: Optional[int] = None,
-                 residual: bool = False, adaptive: bool = True, policy: Optional[DraftPolicy] = None):
+                 residual: bool = False, adaptive: bool = True, policy: Optional[DraftPolicy] = None,
+                 stop_early: bool = False):
         """num_draft_tokens: the most drafts per step; adaptive: the policy decides how many
         (policy.py), else always that many. seed None: a fresh one (reported in the stats, so
-        that the output can be repeated). residual: the classic acceptance rule (sampling.py)."""
+        that the output can be repeated). residual: the classic acceptance rule (sampling.py).
+        stop_early (adaptive only): drafters that draft one position at a time stop once the
+        next draft would not pay, at the price of a sync per draft."""
         self.target = target
         self.drafter = drafter or NoDrafter()
         self.speculative = not isinstance(self.drafter, NoDrafter)
@@ -89,6 +92,9 @@ class Engine:
                                secrets.randbits(32) if seed is None else seed, residual)
         self.drafter.sampler = self.sampler   # the drafter draws with the same noise
         self.policy = (policy or DraftPolicy()) if adaptive and self.speculative else None
+        self.drafter.keep_drafting = (
+            (lambda confidence: self.policy.worth_extending(confidence, len(confidence)))
+            if stop_early and self.policy else None)
         self.cache = make_cache(target.model)
         if self.speculative:
             check_speculation(self.cache, target.model_type)
@@ -169,7 +175,7 @@ class Engine:
         verified drafts, indices of the accepted ones, the target's next token)."""
         tic = time.perf_counter()
         proposal = self.drafter.propose(k)
-        draft, kept = self._select(proposal, k, tic)
+        draft, kept = self._select(proposal, len(proposal) if proposal.parents is None else k, tic)
         tic = time.perf_counter()
         drafts, path, next_token, taps = self._verify(context, draft)
         if self.policy:

@@ -120,6 +120,12 @@ class DraftPolicy:
                 best_n, best_rate = n, rate
         return sorted(order[:best_n])
 
+    def worth_extending(self, confidence: Sequence[float], drafted: int) -> bool:
+        """For a chain drafted one position at a time: whether every draft so far pays its
+        verification (with `drafted` positions spent); if not, a further draft, reached less
+        often, cannot either."""
+        return len(self.select(confidence, range(len(confidence)), drafted)) == len(confidence)
+
     # --- what happened --------------------------------------------------------------------
     def record(self, confidence, parents, verified: Sequence[int], path: Sequence[int]) -> None:
         """Outcomes of the verified drafts whose parent was accepted (or is the root)."""

@@ -78,3 +78,29 @@ def test_q_is_computed_only_for_the_residual_rule(residual):
         assert q.shape == (3, 32) and np.allclose(np.array(q).sum(-1), 1, atol=1e-5)
     else:
         assert q is None
+
+
+@pytest.mark.parametrize("source", ["model", "eagle"])
+def test_stopping_early_changes_no_token(target, sources, source):
+    """Chain drafters that stop once the next draft would not pay (Engine(stop_early=True)) draft
+    fewer positions, and print what the target alone prints for the seed."""
+    from test_policy import cpu_like_policy
+
+    from mlx_spec.policy import DraftPolicy
+
+    class DraftsTheMost(DraftPolicy):   # so that every step drafts, and may stop early
+        def draft_length(self, max_k):
+            return max_k
+
+    params, prompt = SETTINGS[1], repeated_prompt(14)
+    plain = run(Engine(target, sampling=params, seed=7), prompt, MAX_TOKENS)[0]
+    policy = DraftsTheMost()
+    policy.verify_cost, policy.draft_cost = cpu_like_policy().verify_cost, cpu_like_policy().draft_cost
+    engine = Engine(target, sources[source](), num_draft_tokens=8, sampling=params, seed=7, policy=policy,
+                    stop_early=True)
+    answers = []
+    ask = engine.drafter.keep_drafting
+    engine.drafter.keep_drafting = lambda confidence: answers.append(ask(confidence)) or answers[-1]
+    tokens, stats = run(engine, prompt, MAX_TOKENS)
+    assert tokens == plain
+    assert False in answers and stats.drafted < 8 * stats.steps

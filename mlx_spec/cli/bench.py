@@ -29,6 +29,9 @@ from .common import echo_err, reports_errors
 @click.option("--top-p", type=float, default=1.0, show_default=True, help="Nucleus sampling.")
 @click.option("--seed", type=int, default=0, show_default=True,
               help="Sampling seed, the same for every method (which then all print the same text).")
+@click.option("--stop-early", is_flag=True,
+              help="Chain drafters that draft one position at a time stop once the next draft "
+                   "would not pay (a sync per draft).")
 @click.option("--adaptive/--fixed", default=True, show_default=True,
               help="Let the policy choose how many drafts to verify, or always --num-draft-tokens.")
 @click.option("--residual-sampling", "residual", is_flag=True,
@@ -38,7 +41,7 @@ from .common import echo_err, reports_errors
 @click.option("--plot", "plot_path", default=None, help="Write a PNG plot here (needs matplotlib).")
 @reports_errors
 def bench(model_path, dtype, prompts, categories, methods, draft_models, num_draft_tokens,
-          tree_budget, tree_topk, max_tokens, repeats, temp, top_p, seed, adaptive, residual, json_path, markdown_path, plot_path):
+          tree_budget, tree_topk, max_tokens, repeats, temp, top_p, seed, stop_early, adaptive, residual, json_path, markdown_path, plot_path):
     """Time draft methods side by side with plain mlx_lm.stream_generate."""
     from .. import bench as harness
     from ..drafters import draft_tokens, make_drafter
@@ -77,7 +80,7 @@ def bench(model_path, dtype, prompts, categories, methods, draft_models, num_dra
         drafter = make_drafter(name, target, dict(draft_model=paths.get(name), num_draft_tokens=lengths[name],
                                                   dtype=dtype, tree_budget=tree_budget, tree_topk=tree_topk))
         engines[name] = Engine(target, drafter, num_draft_tokens=lengths[name], sampling=sampling, seed=seed,
-                               residual=residual, adaptive=adaptive)
+                               residual=residual, adaptive=adaptive, stop_early=stop_early)
     if not engines:
         raise MlxSpecError("--methods names no method")
 
@@ -88,7 +91,7 @@ def bench(model_path, dtype, prompts, categories, methods, draft_models, num_dra
     rows = harness.summarize(records)
     meta = harness.machine_info(target, {name: paths.get(name) for name in names})
     meta.update(max_tokens=max_tokens, repeats=repeats, temp=temp, num_draft_tokens=lengths,
-                sampling_rule="residual" if residual else "seeded", adaptive=adaptive,
+                sampling_rule="residual" if residual else "seeded", adaptive=adaptive, stop_early=stop_early,
                 tree_budget=tree_budget, tree_topk=tree_topk)
     click.echo(harness.render_table(rows))
     if json_path:

@@ -29,6 +29,9 @@ def model_options(f):
                      help="adaptive: verify only the drafts that pay, from their confidence and the "
                           "costs measured while running (none when drafting does not pay); fixed: "
                           "always --num-draft-tokens."),
+        click.option("--stop-early", is_flag=True,
+                     help="model, eagle (chain): stop drafting once the next draft would not pay "
+                          "(a sync per draft)."),
         click.option("--ngram-max", type=click.IntRange(1), default=3, show_default=True,
                      help="lookup: longest n-gram matched."),
         click.option("--ngram-min", type=click.IntRange(1), default=1, show_default=True,
@@ -69,7 +72,7 @@ def reports_errors(f):
 
 
 def load_engine(model_path, dtype, method, draft_model, num_draft_tokens, ngram_max, ngram_min,
-                tree_budget, tree_topk, temp, top_p, top_k, min_p, seed, residual, adaptive):
+                tree_budget, tree_topk, temp, top_p, top_k, min_p, seed, residual, adaptive, stop_early):
     from ..drafters import draft_tokens, make_drafter
     from ..engine import Engine
     from ..models.target import load_target
@@ -86,7 +89,7 @@ def load_engine(model_path, dtype, method, draft_model, num_draft_tokens, ngram_
         draft_model=draft_model, ngram_max=ngram_max, ngram_min=ngram_min,
         num_draft_tokens=num_draft_tokens, dtype=dtype, tree_budget=tree_budget, tree_topk=tree_topk))
     return Engine(target, drafter, num_draft_tokens=num_draft_tokens, sampling=sampling, seed=seed,
-                  residual=residual, adaptive=adaptive)
+                  residual=residual, adaptive=adaptive, stop_early=stop_early)
 
 
 def count(n: int, noun: str) -> str:

@@ -1,7 +1,7 @@
 """The Drafter protocol: every source of drafts implements these four members."""
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Union
+from typing import Callable, Dict, List, Optional, Sequence, Union
 
 import mlx.core as mx
 
@@ -61,6 +61,22 @@ class Drafter:
     tree: bool = False
     # The generation's sampling settings and noise; the engine sets it (greedy until then).
     sampler: Sampler = Sampler()
+    # Set by the engine when drafts should stop as soon as they no longer pay: a drafter that
+    # drafts one position at a time may call it with its drafts' confidences so far (floats,
+    # which costs a sync per draft) and stop when it returns False.
+    keep_drafting: Optional[Callable[[List[float]], bool]] = None
+
+    def chain_draws(self, k: int, first_draw, next_draw) -> "Draft":
+        """A chain of up to k draws: first_draw(), then next_draw(previous draw) each time,
+        stopping early when keep_drafting says the next draft would not pay."""
+        draws = [first_draw()]
+        while len(draws) < k:
+            if self.keep_drafting is not None:
+                mx.eval(draws[-1][2])
+                if not self.keep_drafting([d[2].item() for d in draws]):
+                    break
+            draws.append(next_draw(draws[-1]))
+        return Draft.chain(draws)
 
     def prefill(self, context: List[int], taps: Dict[int, mx.array], start: int) -> None:
         """context: every token so far, the last one not yet seen by the target; the target has

@@ -64,14 +64,17 @@ class DraftModelDrafter(Drafter):
         self.pending = None
         if k == 0:
             return Draft()
-        logits = self._feed(self.context[len(self.cached):])
-        draws = []
-        for i in range(k):
-            if i:  # feed the previous draft, still lazy: no sync inside the loop
-                logits, _ = self.draft.forward(draws[-1][0][None], self.cache)
-            draws.append(self.sampler.draw(logits[0, -1:, :self.vocab_size], [len(self.context) + i],
-                                           self.vocab_size))
-        draft = Draft.chain(draws)
+        position = len(self.context)   # of the next draft
+
+        def draw(logits):
+            nonlocal position
+            position += 1
+            return self.sampler.draw(logits[0, -1:, :self.vocab_size], [position - 1], self.vocab_size)
+
+        def next_draw(previous):  # feeds the previous draft, lazily: no sync unless stopping early
+            return draw(self.draft.forward(previous[0][None], self.cache)[0])
+
+        draft = self.chain_draws(k, lambda: draw(self._feed(self.context[len(self.cached):])), next_draw)
         self.pending = draft.tokens
         return draft
 

@@ -73,16 +73,22 @@ class EagleDrafter(Drafter):
             return Draft()
         if self.tree_budget:
             return self._propose_tree(depth=k)
-        hidden, draws = self.last_hidden, []
-        first = len(self.paired) + 1   # the position of the first draft
-        for i in range(k):
-            if i:  # feed the previous draft and the layer's own output, still lazy
-                hidden = self.model(self.model.embed(draws[-1][0][None]), hidden, self.cache)
+        hidden, position = self.last_hidden, len(self.paired) + 1   # of the first draft
+
+        def draw():
             # Filtered and tempered like the target's distribution over the draft vocabulary;
             # the target ids outside it have probability 0 either way.
-            draws.append(self.sampler.draw(self.model.logits(hidden[0, -1:]), [first + i], self.vocab_size,
-                                           ids=self.target_ids))
-        draft = Draft.chain(draws)
+            nonlocal position
+            position += 1
+            return self.sampler.draw(self.model.logits(hidden[0, -1:]), [position - 1], self.vocab_size,
+                                     ids=self.target_ids)
+
+        def next_draw(previous):  # feeds the previous draft and the layer's own output, lazily
+            nonlocal hidden
+            hidden = self.model(self.model.embed(previous[0][None]), hidden, self.cache)
+            return draw()
+
+        draft = self.chain_draws(k, draw, next_draw)
         self.pending = draft.tokens
         return draft
 
