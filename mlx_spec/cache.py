@@ -1,16 +1,19 @@
 """The target's KV cache: mlx-lm's own caches, which grow in chunks as tokens arrive and roll
 back by moving an offset (stale rows are overwritten later, never copied).
 
-Not every cache can roll back. A sliding-window cache (`RotatingKVCache`) overwrites its oldest
-entries once it wraps; a recurrent one (`ArraysCache`: Mamba, Gated DeltaNet) holds one state,
-not one entry per position; a `ChunkedKVCache` drops the previous chunk. `rollback_to` rolls
-back exactly where the entries it needs are still there and otherwise says so, and the caller
-rebuilds the cache from the tokens: never a cache that silently differs from a plain run."""
+Not every cache can roll back by moving an offset. A sliding-window cache (`RotatingKVCache`)
+overwrites its oldest entries once it wraps; a recurrent one (`ArraysCache`: Mamba, Gated
+DeltaNet) holds one state, not one entry per position, and is rolled back by a `Replay` of the
+last pass; a `ChunkedKVCache` drops the previous chunk. `rollback_to` rolls back exactly where
+what it needs is still there and otherwise says so, and the caller rebuilds the cache from the
+tokens: never a cache that silently differs from a plain run."""
 
-from typing import Any, List, Sequence
+from typing import Any, List, Optional, Sequence
+
+import mlx.core as mx
 
 from mlx_lm.models.cache import (ArraysCache, CacheList, ChunkedKVCache, KVCache, RotatingKVCache,
-                                 make_prompt_cache)
+                                 _BaseCache, make_prompt_cache)
 
 from .errors import MlxSpecError
 
@@ -28,11 +31,23 @@ def _layers(cache):
             yield c
 
 
-def check_speculation(cache: Sequence[Any], model_type: str, what: str = "speculative decoding") -> None:
+def is_cache(value) -> bool:
+    return isinstance(value, (_BaseCache, CacheList))
+
+
+def is_recurrent(cache) -> bool:
+    """Whether a layer's cache holds recurrent state (also inside a CacheList)."""
+    return any(isinstance(c, ArraysCache) for c in _layers([cache]))
+
+
+def check_speculation(cache: Sequence[Any], model_type: str, what: str = "speculative decoding",
+                      replayed: bool = True) -> None:
     """Refuse, in one line and before any token, a cache that verification could not roll
-    back: a recurrent state would need every drafted position replayed."""
+    back: one of an unknown kind, or a recurrent state where no Replay is kept (`replayed`:
+    the target's are, a draft model's are not)."""
     kinds = sorted({type(c).__name__ for c in _layers(cache)
-                    if isinstance(c, ArraysCache) or not hasattr(c, "offset")})
+                    if (isinstance(c, ArraysCache) and not replayed)
+                    or not (isinstance(c, ArraysCache) or hasattr(c, "offset"))})
     if kinds:
         raise MlxSpecError(f"{what} cannot roll back the {', '.join(kinds)} of this {model_type} model "
                            "(recurrent layers); use --draft none")
@@ -94,16 +109,67 @@ def _rollback_layer(c, length: int) -> bool:
     return True
 
 
-def rollback_to(cache: List[Any], length: int) -> bool:
+def _keep_rows(value, keep: int, fed: int):
+    """A layer argument of a pass over `fed` positions, cut to its first `keep`: a mask
+    [..., fed, offset + fed] loses the rows and columns of the dropped positions; anything else
+    (None, "causal", a cache) stays as it is."""
+    if not isinstance(value, mx.array) or value.ndim < 2:
+        return value
+    return value[..., :keep, :value.shape[-1] - (fed - keep)]
+
+
+class Replay:
+    """What one target pass records so that its recurrent layers can be rolled back to any
+    length inside it: each layer whose cache holds recurrent state, the layer's inputs, and
+    its caches' state before the pass (references: mlx arrays are never changed in place).
+    Rolling back restores that state and runs those layers again over the kept positions,
+    for the state they leave (their outputs are not needed). Exact: a layer's state after
+    the kept positions depends only on its inputs there, which a causal model computed the
+    same whatever followed. Costs a second pass of the recurrent layers (not of attention
+    layers or the output head) over the kept positions, only when a draft was rejected."""
+
+    def __init__(self, start: int):
+        self.start = start        # positions cached before the pass
+        self.fed = 0              # positions the pass fed
+        self.calls = []
+
+    def record(self, layer, x, args, kwargs, cache) -> None:
+        saved = [(c, list(c.cache) if isinstance(c, ArraysCache) else c.offset) for c in _layers([cache])]
+        self.fed = x.shape[1]
+        self.calls.append((layer, x, args, kwargs, saved))
+
+    def roll_back(self, length: int) -> bool:
+        keep = length - self.start
+        if not 0 <= keep <= self.fed:
+            return False
+        states = []
+        for layer, x, args, kwargs, saved in self.calls:
+            for c, state in saved:
+                if isinstance(c, ArraysCache):
+                    c.cache = list(state)
+                    states.append(c.cache)
+                elif not _rollback_layer(c, state):
+                    return False
+            if keep:
+                layer(x[:, :keep], *(_keep_rows(a, keep, self.fed) for a in args),
+                      **{k: _keep_rows(v, keep, self.fed) for k, v in kwargs.items()})
+        mx.eval(states)
+        return True
+
+
+def rollback_to(cache: List[Any], length: int, replay: Optional[Replay] = None) -> bool:
     """Keep the first `length` positions of every layer's cache (per layer, so that a step
-    interrupted half-way through its layers is repaired too). False when some layer cannot
-    roll back exactly (recurrent state, a window or chunk moved past them): the caller then
+    interrupted half-way through its layers is repaired too). Recurrent layers roll back
+    through the Replay of the last pass, when `length` falls inside it. False when some layer
+    cannot roll back exactly (no replay, a window or chunk moved past them): the caller then
     starts from a new cache. A recurrent layer does not know its length: call this only when
     something is to be dropped."""
-    ok = True
+    ok, recurrent = True, False
     for c in _layers(cache):
         if isinstance(c, ArraysCache):
-            ok = False
+            recurrent = True
         elif not _rollback_layer(c, length):
             ok = False
+    if recurrent:
+        ok = ok and replay is not None and replay.roll_back(length)
     return ok

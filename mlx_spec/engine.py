@@ -15,7 +15,8 @@ from typing import Iterator, List, Optional, Sequence
 
 import mlx.core as mx
 
-from .cache import check_speculation, check_tree, common_prefix_length, make_cache, rollback_to
+from .cache import (Replay, check_speculation, check_tree, common_prefix_length, is_recurrent, make_cache,
+                    rollback_to)
 from .drafters.base import Drafter, NoDrafter
 from .errors import MlxSpecError
 from .policy import DraftPolicy
@@ -101,15 +102,19 @@ class Engine:
         if self.drafter.tree:
             check_tree(self.cache, target.model_type)
         self.cached_tokens: List[int] = []   # tokens whose K/V are in self.cache, in order
+        # Recurrent layers roll back by replaying the last verification pass (cache.Replay).
+        self.recurrent = any(is_recurrent(c) for c in self.cache)
+        self.replay = None
 
     def reset(self) -> None:
         self.cache = make_cache(self.target.model)
         self.cached_tokens = []
+        self.replay = None
 
     def _roll_back(self, length: int) -> None:
         """Keep the first `length` cached positions. A cache that cannot drop the rest exactly
         (a window that moved past them, a recurrent state) starts again empty."""
-        if length < len(self.cached_tokens) and not rollback_to(self.cache, length):
+        if length < len(self.cached_tokens) and not rollback_to(self.cache, length, self.replay):
             self.reset()
         self.cached_tokens = self.cached_tokens[:length]
 
@@ -117,6 +122,7 @@ class Engine:
         """Run the target over the tokens not yet cached (in chunks), so that the cache holds
         `tokens`; the taps of the positions it ran."""
         pieces = {}
+        self.replay = None   # it replays from the state before the verification pass
         for i in range(len(self.cached_tokens), len(tokens), PREFILL_CHUNK):
             chunk = tokens[i:min(i + PREFILL_CHUNK, len(tokens))]
             _, taps = self.target.forward(mx.array(chunk)[None], self.cache, self.drafter.taps)
@@ -147,7 +153,8 @@ class Engine:
         inputs = mx.concatenate([mx.array(context[-1:], mx.int32), drafts])
         start = len(context) - 1
         if draft.parents is None:
-            logits, taps = self.target.forward(inputs[None], self.cache, self.drafter.taps)
+            self.replay = Replay(start) if self.recurrent else None
+            logits, taps = self.target.forward(inputs[None], self.cache, self.drafter.taps, replay=self.replay)
             verdict = verify_chain(logits[0], drafts, draft.q, self.sampler, len(context))
             mx.eval(verdict, drafts)
             (n_accepted, next_token), drafts = verdict.tolist(), drafts.tolist()

@@ -1,7 +1,7 @@
 """Targets whose caches are not plain KV caches: sliding windows (Gemma 3, gpt-oss alternating
-windows) and recurrent layers (Qwen3-Next, Mamba-2), built from mlx-lm's own classes with tiny
-random weights, with contexts well past the window. Every output is either plain mlx-lm's,
-token for token, or refused in one line before any token."""
+windows) and recurrent layers (Qwen3-Next, Qwen3.5, Mamba-2, Falcon-H1, LFM2), built from
+mlx-lm's own classes with tiny random weights, with contexts well past the window. Every output
+is plain mlx-lm's, token for token, or refused in one line before any token."""
 
 import mlx.core as mx
 import numpy as np
@@ -28,9 +28,18 @@ RECURRENT = {
                        num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1,
                        shared_expert_intermediate_size=64, mlp_only_layers=[], moe_intermediate_size=32,
                        partial_rotary_factor=0.25, full_attention_interval=2, num_hidden_layers=4),
+    "qwen3_5": dict(head_dim=16, linear_num_value_heads=2, linear_num_key_heads=2, linear_key_head_dim=16,
+                    linear_value_head_dim=16, linear_conv_kernel_dim=4, full_attention_interval=2,
+                    num_hidden_layers=4),
     "mamba2": dict(num_heads=4, head_dim=16, intermediate_size=64, state_size=16, layer_norm_epsilon=1e-5,
                    conv_kernel=4, n_groups=1, use_bias=False, use_conv_bias=True,
                    time_step_limit=[0.0, float("inf")], time_step_rank="auto"),
+    # Mamba and attention in every layer: a CacheList of both
+    "falcon_h1": dict(head_dim=16, mamba_d_conv=4, mamba_d_head=16, mamba_d_ssm=64, mamba_d_state=16,
+                      mamba_n_heads=4, mamba_chunk_size=8),
+    "lfm2": dict(norm_eps=1e-5, conv_bias=False, conv_L_cache=3, block_dim=64, block_multiple_of=16,
+                 block_ffn_dim_multiplier=1.0, block_auto_adjust_ff_dim=False, num_hidden_layers=4,
+                 layer_types=["conv", "full_attention", "conv", "full_attention"]),
 }
 # Repeats itself (lookup drafts) and is longer than the window.
 PROMPT = [1, 5, 7, 9, 11, 13, 2, 5, 7, 9, 11, 13, 2, 5, 7, 9, 11, 13, 2, 5, 7]
@@ -94,13 +103,129 @@ def test_chat_crossing_the_window_stays_identical(arch):
     assert len(context) > 3 * WINDOW
 
 
+class NoRebuild(Engine):
+    """An engine that fails where it would rebuild its cache from the tokens (the slow way a
+    cache that cannot roll back is repaired): recurrent layers must roll back by replay."""
+
+    def reset(self):
+        if self.cached_tokens:
+            raise AssertionError("the cache was rebuilt")
+        super().reset()
+
+
 @pytest.mark.parametrize("arch", list(RECURRENT))
-def test_recurrent_speculation_is_refused_before_any_token(arch):
+@pytest.mark.parametrize("k", [1, 3, 8])
+def test_recurrent_speculation_is_token_identical(arch, k):
     target = target_of(arch)
-    with pytest.raises(MlxSpecError, match=f"cannot roll back the ArraysCache of this {arch} model"):
-        Engine(target, LookupDrafter())
-    with pytest.raises(MlxSpecError, match="a draft model cannot roll back"):
+    expected = plain_greedy(target.model, PROMPT, 40)
+    for drafter in (LookupDrafter(),
+                    ScriptedDrafter(expected, 3, 32),
+                    ScriptedDrafter(expected, 100, 32),
+                    DraftModelDrafter(tiny_target("llama", seed=4, scale=3.0), 32)):
+        tokens, stats = run(NoRebuild(target, drafter, num_draft_tokens=k, adaptive=False), PROMPT, 40)
+        assert tokens == expected, (type(drafter).__name__, k)
+        assert stats.proposed > 0
+
+
+@pytest.mark.parametrize("arch", list(RECURRENT))
+def test_every_acceptance_length_on_recurrent_layers(arch):
+    target = target_of(arch, seed=1)
+    expected = plain_greedy(target.model, PROMPT, 40)
+    for wrong_every in (2, 4, 5, 7):
+        engine = NoRebuild(target, ScriptedDrafter(expected, wrong_every, 32), num_draft_tokens=8, adaptive=False)
+        tokens, stats = run(engine, PROMPT, 40)
+        assert tokens == expected, wrong_every
+        assert 0 < stats.accepted < stats.proposed
+
+
+@pytest.mark.parametrize("arch", ["qwen3_next", "falcon_h1"])
+def test_recurrent_chat_and_sampling(arch):
+    """Turns of a conversation reuse the session's cache (lookup drafts, adaptive); sampled
+    output for a seed is what the target alone samples."""
+    from mlx_spec.sampling import SamplingParams
+
+    target = target_of(arch, seed=2)
+    engine = NoRebuild(target, LookupDrafter(), num_draft_tokens=4, adaptive=False)
+    context = [1, 5, 7]
+    for turn in range(4):
+        expected = plain_greedy(target.model, context, 9)
+        tokens, stats = run(engine, context, 9)
+        assert tokens == expected, turn
+        assert turn == 0 or stats.prompt_cached > 0
+        context = context + tokens + [3, 5, 7, 9][:turn + 1]
+    params = SamplingParams(temp=1.0, top_p=0.95)
+    plain = run(Engine(target, sampling=params, seed=3), PROMPT, 30)[0]
+    for drafter in (LookupDrafter(), DraftModelDrafter(tiny_target("llama", seed=4, scale=3.0), 32)):
+        engine = NoRebuild(target, drafter, num_draft_tokens=4, sampling=params, seed=3)
+        assert run(engine, PROMPT, 30)[0] == plain
+
+
+@pytest.mark.parametrize("arch", ["qwen3_next", "mamba2", "falcon_h1"])
+def test_feature_drafters_on_recurrent_targets(arch, tmp_path):
+    """EAGLE-3 and DFlash tap the layers of hybrid and recurrent targets and stay exact."""
+    from test_dflash import random_dflash
+    from test_eagle import random_eagle, save_eagle
+
+    from mlx_spec.drafters.dflash import DFlashDrafter
+    from mlx_spec.drafters.eagle import EagleDrafter
+    from mlx_spec.models.eagle3 import load_eagle3
+
+    target = target_of(arch)
+    expected = plain_greedy(target.model, PROMPT, 30)
+    eagle = random_eagle(target, seed=5, scale=2.0, hidden_size=target.hidden_size, aux_layer_ids=[0, 1, 2])
+    eagle = load_eagle3(save_eagle(eagle, tmp_path / "eagle", "speculators"), target)
+    dflash = random_dflash(tmp_path, target, num_layers=1, target_layer_ids=(0, 1), block_size=8)[0]
+    for drafter in (EagleDrafter(eagle, target.vocab_size), DFlashDrafter(target, dflash)):
+        tokens, stats = run(NoRebuild(target, drafter, num_draft_tokens=4, adaptive=False), PROMPT, 30)
+        assert tokens == expected, type(drafter).__name__
+        assert stats.proposed > 0
+
+
+def test_recurrent_rollback_equals_a_plain_run():
+    """After a verification-sized pass and a rollback by replay, the recurrent states (conv
+    and SSM) and the attention cache are those of a plain run over the kept tokens."""
+    from mlx_spec.cache import Replay
+
+    target = target_of("qwen3_next")
+
+    def cache_after(tokens_fed, replay=None):
+        cache = target.model.make_cache()
+        for piece in tokens_fed:
+            target.forward(mx.array(piece)[None], cache, replay=replay if piece is tokens_fed[-1] else None)
+        return cache
+
+    context, step = PROMPT, [3, 4, 6, 8, 10, 12]
+    for keep in (1, 3, 5):
+        replay = Replay(len(context))
+        cache = cache_after([context, step], replay)
+        assert rollback_to(cache, len(context) + keep, replay)
+        plain = cache_after([context] + [[t] for t in step[:keep]])
+        for ours, theirs in zip(cache, plain):
+            assert type(ours) is type(theirs)
+            if hasattr(ours, "offset"):   # attention: the rows up to the offset
+                assert ours.offset == theirs.offset == len(context) + keep
+                pairs = [(ours.keys[..., :ours.offset, :], theirs.keys[..., :ours.offset, :])]
+            else:                         # recurrent: conv state and SSM state
+                pairs = list(zip(ours.cache, theirs.cache))
+            for a, b in pairs:
+                assert np.allclose(np.array(a), np.array(b), atol=1e-4)
+        # Without the pass's replay, a recurrent state cannot roll back: the caller rebuilds.
+        assert not rollback_to(cache_after([context, step]), len(context) + keep)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_next", "mamba2"])
+def test_recurrent_refusals(arch):
+    """A recurrent draft model (its drafts are fed one at a time, with no replay kept) and
+    trees on recurrent layers (one state cannot hold several branches) are refused."""
+    target = target_of(arch)
+    with pytest.raises(MlxSpecError, match=f"a draft model cannot roll back the ArraysCache of this {arch}"):
         DraftModelDrafter(target, 32)
+
+    class TreeDrafter(LookupDrafter):
+        tree = True
+
+    with pytest.raises(MlxSpecError, match=f"tree drafts need a plain KV cache; this {arch} model"):
+        Engine(target, TreeDrafter())
 
 
 def test_rotating_rollback_equals_a_plain_run():

@@ -38,7 +38,7 @@ class DraftModelDrafter(Drafter):
         self.draft = draft
         self.vocab_size = vocab_size        # the target's: q is padded to it
         self.cache = make_cache(draft.model)
-        check_speculation(self.cache, draft.model_type, "a draft model")
+        check_speculation(self.cache, draft.model_type, "a draft model", replayed=False)
         self.context: List[int] = []        # committed tokens
         self.cached: List[int] = []         # tokens whose K/V are in self.cache
         self.pending = None                 # the last drafts (lazy until verification)

@@ -10,6 +10,7 @@ from typing import Dict, Iterable, Optional
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..cache import is_cache, is_recurrent
 from ..errors import MlxSpecError
 from .checkpoint import check_not_pickled, one_line, read_config
 
@@ -20,17 +21,29 @@ class _TapLayer:
     """Stands in for a decoder layer during one forward: records its input/output and,
     for tree passes, replaces the mask the model built with the caller's."""
 
-    def __init__(self, layer, index, taps, want, mask):
-        self._layer, self._index, self._taps, self._want, self._mask = (
-            layer, index, taps, want, mask)
+    def __init__(self, layer, index, taps, want, mask, replay):
+        self._layer, self._index, self._taps, self._want, self._mask, self._replay = (
+            layer, index, taps, want, mask, replay)
 
     def __getattr__(self, name):  # models read attributes such as `use_sliding`
         return getattr(self._layer, name)
 
-    def __call__(self, x, mask=None, cache=None, **kwargs):
+    def __call__(self, x, *args, **kwargs):
+        # Layers differ in how they take mask and cache: (x, mask, cache) mostly, (x, cache,
+        # attn_mask, ...) in Falcon-H1. A tree's mask (plain KV-cache models only) replaces the
+        # first positional one, or the `mask` keyword.
         if self._index == 0 and -1 in self._want:
             self._taps[-1] = x
-        out = self._layer(x, self._mask if self._mask is not None else mask, cache=cache, **kwargs)
+        if self._mask is not None:
+            if args and "mask" not in kwargs:
+                args = (self._mask,) + args[1:]
+            else:
+                kwargs["mask"] = self._mask
+        if self._replay is not None:
+            cache = kwargs.get("cache", next((a for a in args if is_cache(a)), None))
+            if cache is not None and is_recurrent(cache):
+                self._replay.record(self._layer, x, args, kwargs, cache)
+        out = self._layer(x, *args, **kwargs)
         if self._index in self._want:
             self._taps[self._index] = out
         return out
@@ -46,19 +59,23 @@ class Target:
         self.config = config or {}
         self.path = path
         self.dtype = dtype
-        self.layers = model.layers
+        # The list the model iterates: some models' `layers` is a fresh slice of it (mlx-lm's
+        # pipeline models), in which a wrapped layer would not be seen.
+        inner = getattr(getattr(model, "model", None), "layers", None)
+        self.layers = inner if isinstance(inner, list) else model.layers
         self.num_layers = len(self.layers)
-        self._inner = getattr(model, "model", None)
+        self._inner = getattr(model, "model", None) or getattr(model, "backbone", None)
         self.eos_token_ids = sorted(getattr(tokenizer, "eos_token_ids", None) or ())
 
     # --- the forward pass -------------------------------------------------------------
-    def forward(self, tokens: mx.array, cache, taps: Iterable[int] = (), mask=None):
+    def forward(self, tokens: mx.array, cache, taps: Iterable[int] = (), mask=None, replay=None):
         """tokens [1, n] -> (logits [1, n, V], {layer_id: hidden [1, n, H]}).
 
         The model's own __call__ runs (embedding, mask, layers, norm, head); chosen layers are
-        wrapped for the duration of the call to capture their outputs (no second pass)."""
+        wrapped for the duration of the call to capture their outputs (no second pass), and
+        recurrent layers to record what `replay` (cache.Replay) needs to roll them back."""
         want = set(taps)
-        if not want and mask is None:
+        if not want and mask is None and replay is None:
             return self.model(tokens, cache=cache), {}
         for i in want:
             if not -1 <= i < self.num_layers:
@@ -67,7 +84,7 @@ class Target:
         originals = list(self.layers)
         try:
             for i, layer in enumerate(originals):
-                self.layers[i] = _TapLayer(layer, i, captured, want, mask)
+                self.layers[i] = _TapLayer(layer, i, captured, want, mask, replay)
             logits = self.model(tokens, cache=cache)
         finally:
             self.layers[:] = originals
@@ -76,20 +93,30 @@ class Target:
     # --- pieces that drafters share with the target (no copies) -----------------------
     @property
     def embed_tokens(self):
-        return self._inner.embed_tokens
+        return self._part(("embed_tokens", "embeddings"), "input embedding")
+
+    def _part(self, names, what):
+        """A piece of the model that feature drafters share, under the names mlx-lm's ports
+        give it; a one-line error where this architecture has none of them."""
+        for name in names:
+            part = getattr(self._inner, name, None)
+            if part is not None:
+                return part
+        raise MlxSpecError(f"feature drafters need the target's {what}, which this {self.model_type} "
+                           "model does not expose where mlx-spec looks: use --draft lookup or model")
 
     def embed(self, tokens: mx.array) -> mx.array:
-        return self._inner.embed_tokens(tokens)
+        return self.embed_tokens(tokens)
 
     def lm_head(self, hidden: mx.array) -> mx.array:
         """The output projection alone (drafters apply their own final norm first)."""
         if getattr(self.model, "lm_head", None) is not None:
             return self.model.lm_head(hidden)
-        return self._inner.embed_tokens.as_linear(hidden)
+        return self.embed_tokens.as_linear(hidden)
 
     def head(self, hidden: mx.array) -> mx.array:
         """The target's final norm + output projection, applied to a last-layer hidden state."""
-        return self.lm_head(self._inner.norm(hidden))
+        return self.lm_head(self._part(("norm", "norm_f", "final_layernorm"), "final norm")(hidden))
 
     # --- facts about the model -----------------------------------------------------------
     @property
