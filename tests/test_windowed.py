@@ -213,6 +213,39 @@ def test_recurrent_rollback_equals_a_plain_run():
         assert not rollback_to(cache_after([context, step]), len(context) + keep)
 
 
+@pytest.mark.parametrize("arch", ["qwen3_next", "falcon_h1"])
+def test_cache_after_each_step_is_a_plain_runs(arch):
+    """After every verification step (drafts rejected at every position in turn), each layer's
+    cache equals that of a plain pass over the tokens it holds."""
+    target = target_of(arch, seed=3)
+    expected = plain_greedy(target.model, PROMPT, 24)
+    engine = NoRebuild(target, ScriptedDrafter(expected, 3, 32), num_draft_tokens=5, adaptive=False)
+    steps = 0
+    for event in engine.generate(PROMPT, max_tokens=24):
+        if event[0] != "step":
+            continue
+        steps += 1
+        plain = target.model.make_cache()
+        target.model(mx.array(engine.cached_tokens)[None], cache=plain)
+        for ours, theirs in zip(leaves(engine.cache), leaves(plain)):
+            if hasattr(ours, "offset"):
+                assert ours.offset == theirs.offset == len(engine.cached_tokens)
+                pairs = [(ours.keys[..., :ours.offset, :], theirs.keys[..., :ours.offset, :]),
+                         (ours.values[..., :ours.offset, :], theirs.values[..., :ours.offset, :])]
+            else:
+                pairs = list(zip(ours.cache, theirs.cache))
+            for a, b in pairs:
+                assert np.allclose(np.array(a), np.array(b), atol=1e-4), steps
+    assert steps > 5
+
+
+def leaves(cache):
+    from mlx_lm.models.cache import CacheList
+
+    for c in cache:
+        yield from (leaves(c.caches) if isinstance(c, CacheList) else [c])
+
+
 @pytest.mark.parametrize("arch", ["qwen3_next", "mamba2"])
 def test_recurrent_refusals(arch):
     """A recurrent draft model (its drafts are fed one at a time, with no replay kept) and
