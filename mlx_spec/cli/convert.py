@@ -1,4 +1,5 @@
-"""`mlx-spec convert`: a llama.cpp GGUF file -> an MLX model directory that mlx-lm loads."""
+"""`mlx-spec convert`: a Hugging Face checkpoint directory (through mlx-lm's converter) or a
+llama.cpp GGUF file -> an MLX model directory that mlx-lm loads."""
 
 from __future__ import annotations
 
@@ -6,55 +7,61 @@ import sys
 
 import click
 
-from mlx_spec.errors import MlxSpecError
+from .common import reports_errors
 
 
-@click.command("convert", short_help="Convert a GGUF file to an MLX model directory.")
-@click.option(
-    "--gguf",
-    "gguf_path",
-    required=True,
-    type=click.Path(dir_okay=False, path_type=str),
-    help="GGUF file to convert (llama architecture; Q4_0/Q4_1/Q8_0 stay packed, "
-    "K-quants are dequantized).",
-)
-@click.option(
-    "--mlx-path",
-    required=True,
-    type=click.Path(file_okay=False, path_type=str),
-    help="Directory to write the MLX model to (must not exist or be empty).",
-)
-@click.option(
-    "--dtype",
-    type=click.Choice(["keep", "float32", "float16", "bfloat16"]),
-    default="keep",
-    show_default=True,
-    help="keep: leave quantized tensors packed (mlx-lm quantization, group size 32); "
-    "otherwise dequantize every weight to this dtype (float32 is fastest on CPU).",
-)
-@click.option(
-    "--overwrite", is_flag=True, help="Replace --mlx-path if it already holds files."
-)
-def convert(gguf_path: str, mlx_path: str, dtype: str, overwrite: bool) -> None:
-    """Convert a GGUF file to an MLX model directory (config.json, model.safetensors,
-    tokenizer.json with the chat template)."""
-    from mlx_spec.convert.gguf import convert_gguf
-
+@click.command("convert", short_help="Convert a Hugging Face directory or a GGUF file to MLX.")
+@click.option("--hf-path", default=None, type=click.Path(path_type=str),
+              help="Local Hugging Face checkpoint directory (config.json + safetensors) of an "
+                   "architecture mlx-lm runs; converted by mlx-lm.")
+@click.option("--gguf", "gguf_path", default=None, type=click.Path(dir_okay=False, path_type=str),
+              help="GGUF file to convert (llama architecture; Q4_0/Q4_1/Q8_0 stay packed, "
+                   "K-quants are dequantized).")
+@click.option("--mlx-path", required=True, type=click.Path(file_okay=False, path_type=str),
+              help="Directory to write the MLX model to (must not exist or be empty).")
+@click.option("--dtype", type=click.Choice(["keep", "float32", "float16", "bfloat16"]), default="keep",
+              show_default=True,
+              help="keep: the checkpoint's own dtype (GGUF: quantized tensors stay packed, mlx-lm "
+                   "quantization, group size 32); otherwise cast (GGUF: dequantize) every weight to "
+                   "this dtype (float32 is fastest on CPU).")
+@click.option("-q", "--quantize", is_flag=True, help="--hf-path: quantize the weights (mlx-lm, affine).")
+@click.option("--q-bits", type=click.Choice(["2", "3", "4", "5", "6", "8"]), default="4", show_default=True,
+              help="Bits per weight with -q.")
+@click.option("--q-group-size", type=click.Choice(["32", "64", "128"]), default="64", show_default=True,
+              help="Weights sharing one scale and bias with -q.")
+@click.option("--overwrite", is_flag=True, help="Replace --mlx-path if it already holds files.")
+@reports_errors
+def convert(hf_path, gguf_path, mlx_path, dtype, quantize, q_bits, q_group_size, overwrite) -> None:
+    """Convert a local Hugging Face checkpoint directory (delegating to mlx-lm's converter,
+    optionally quantized) or a GGUF file to an MLX model directory, written atomically, with
+    mlx_spec_conversion.json recording where the weights came from."""
+    if (hf_path is None) == (gguf_path is None):
+        raise click.UsageError("give one source: --hf-path DIR or --gguf FILE")
+    if quantize and gguf_path is not None:
+        raise click.UsageError("-q is for --hf-path; a GGUF file's quantized tensors stay packed "
+                               "with --dtype keep")
     bar = None
 
-    def progress(done: int, total: int) -> None:
+    def progress(done: int, total: int, item: str = "") -> None:
+        # The bar appears at the first update, after the checks that may refuse the input.
         nonlocal bar
         if bar is None:
-            bar = click.progressbar(length=total, label="converting tensors", file=sys.stderr)
+            bar = click.progressbar(length=total, label="converting", file=sys.stderr,
+                                    item_show_func=lambda shown: shown)
             bar.__enter__()
-        bar.update(done - bar.pos)
+        bar.update(done - bar.pos, item)
 
     try:
-        out = convert_gguf(
-            gguf_path, mlx_path, dtype=dtype, overwrite=overwrite, progress=progress
-        )
-    except MlxSpecError as e:
-        raise click.ClickException(str(e)) from None
+        if hf_path is not None:
+            from mlx_spec.convert.hf import convert_hf
+
+            out = convert_hf(hf_path, mlx_path, quantize=quantize, q_bits=int(q_bits),
+                             q_group_size=int(q_group_size), dtype=None if dtype == "keep" else dtype,
+                             overwrite=overwrite, progress=progress)
+        else:
+            from mlx_spec.convert.gguf import convert_gguf
+
+            out = convert_gguf(gguf_path, mlx_path, dtype=dtype, overwrite=overwrite, progress=progress)
     finally:
         if bar is not None:
             bar.__exit__(None, None, None)

@@ -29,8 +29,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import secrets
-import shutil
 import struct
 from collections import Counter
 from pathlib import Path
@@ -41,6 +39,7 @@ import numpy as np
 import mlx_spec  # noqa: F401  (loads an optimized BLAS before mlx.core)
 import mlx.core as mx
 
+from mlx_spec.convert.output import CONVERSION_INFO_FILE, check_output, write_dir, write_json
 from mlx_spec.errors import MlxSpecError
 
 __all__ = [
@@ -56,7 +55,6 @@ __all__ = [
 
 # Bump when the output of convert_gguf changes in a way that makes old conversions stale.
 CONVERTER_VERSION = 1
-CONVERSION_INFO_FILE = "mlx_spec_conversion.json"
 REQUIRED_FILES = (
     "config.json",
     "model.safetensors",
@@ -784,11 +782,7 @@ def convert_gguf(
     if dtype not in DTYPES:
         raise MlxSpecError(f"unknown dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
     gguf_path = Path(gguf_path).expanduser()
-    mlx_path = Path(mlx_path).expanduser().resolve()   # "." has no name to build siblings from
-    if mlx_path.exists() and not mlx_path.is_dir():
-        raise MlxSpecError(f"output path exists and is not a directory: {mlx_path}")
-    if mlx_path.is_dir() and any(mlx_path.iterdir()) and not overwrite:
-        raise MlxSpecError(f"output directory is not empty: {mlx_path}")
+    mlx_path = check_output(mlx_path, overwrite)
 
     md, tensors = _open_gguf(gguf_path)
     arch = md.get("general.architecture")
@@ -852,53 +846,12 @@ def convert_gguf(
         "gguf_file_type": md.get("general.file_type"),
     }
 
-    parent = mlx_path.parent
-    try:
-        parent.mkdir(parents=True, exist_ok=True)
-        tmp = parent / f".{mlx_path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
-        tmp.mkdir()
-    except OSError as e:
-        raise MlxSpecError(f"cannot write to {parent}: {e.strerror or e}") from None
-    try:
+    def fill(tmp: Path) -> None:
         mx.save_safetensors(str(tmp / "model.safetensors"), weights, metadata={"format": "mlx"})
         tok.save(str(tmp / "tokenizer.json"))
-        _write_json(tmp / "tokenizer_config.json", tok_config)
-        _write_json(tmp / "special_tokens_map.json", special_map)
-        _write_json(tmp / "config.json", config)
-        # written last: its presence marks a finished conversion
-        _write_json(tmp / CONVERSION_INFO_FILE, info)
-        _replace_dir(tmp, mlx_path)
-    except OSError as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise MlxSpecError(f"cannot write {mlx_path}: {e.strerror or e}") from None
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return mlx_path
+        write_json(tmp / "tokenizer_config.json", tok_config)
+        write_json(tmp / "special_tokens_map.json", special_map)
+        write_json(tmp / "config.json", config)
 
+    return write_dir(mlx_path, fill, info)
 
-def _write_json(path: Path, obj: Any) -> None:
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=2, ensure_ascii=False)
-        f.write("\n")
-
-
-def _replace_dir(src: Path, dst: Path) -> None:
-    """Move the finished `src` dir to `dst`, replacing what is there (rename, not copy)."""
-    old = None
-    if dst.exists():
-        if dst.is_dir() and not any(dst.iterdir()):
-            dst.rmdir()
-        else:
-            old = dst.with_name(f".{dst.name}.old-{os.getpid()}")
-            if old.exists():
-                shutil.rmtree(old)
-            os.rename(dst, old)
-    try:
-        os.rename(src, dst)
-    except OSError:
-        if old is not None:
-            os.rename(old, dst)
-        raise
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
