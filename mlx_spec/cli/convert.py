@@ -17,6 +17,11 @@ from .common import reports_errors
 @click.option("--gguf", "gguf_path", default=None, type=click.Path(dir_okay=False, path_type=str),
               help="GGUF file to convert (llama architecture; Q4_0/Q4_1/Q8_0 stay packed, "
                    "K-quants are dequantized).")
+@click.option("--drafter", "drafter_path", default=None, type=click.Path(path_type=str),
+              help="DFlash (z-lab) or EAGLE-3 (SafeAILab, speculators) checkpoint directory: cast "
+                   "(--dtype) and/or quantized (-q), checked to load for --model.")
+@click.option("--model", "model_path", default=None,
+              help="--drafter: the target it drafts for (default: the embedded model).")
 @click.option("--mlx-path", required=True, type=click.Path(file_okay=False, path_type=str),
               help="Directory to write the MLX model to (must not exist or be empty).")
 @click.option("--dtype", type=click.Choice(["keep", "float32", "float16", "bfloat16"]), default="keep",
@@ -24,19 +29,23 @@ from .common import reports_errors
               help="keep: the checkpoint's own dtype (GGUF: quantized tensors stay packed, mlx-lm "
                    "quantization, group size 32); otherwise cast (GGUF: dequantize) every weight to "
                    "this dtype (float32 is fastest on CPU).")
-@click.option("-q", "--quantize", is_flag=True, help="--hf-path: quantize the weights (mlx-lm, affine).")
+@click.option("-q", "--quantize", is_flag=True,
+              help="--hf-path, --drafter: quantize the linear layers (mlx-lm's affine scheme).")
 @click.option("--q-bits", type=click.Choice(["2", "3", "4", "5", "6", "8"]), default="4", show_default=True,
               help="Bits per weight with -q.")
 @click.option("--q-group-size", type=click.Choice(["32", "64", "128"]), default="64", show_default=True,
               help="Weights sharing one scale and bias with -q.")
 @click.option("--overwrite", is_flag=True, help="Replace --mlx-path if it already holds files.")
 @reports_errors
-def convert(hf_path, gguf_path, mlx_path, dtype, quantize, q_bits, q_group_size, overwrite) -> None:
+def convert(hf_path, gguf_path, drafter_path, model_path, mlx_path, dtype, quantize, q_bits, q_group_size,
+            overwrite) -> None:
     """Convert a local Hugging Face checkpoint directory (delegating to mlx-lm's converter,
-    optionally quantized) or a GGUF file to an MLX model directory, written atomically, with
-    mlx_spec_conversion.json recording where the weights came from."""
-    if (hf_path is None) == (gguf_path is None):
-        raise click.UsageError("give one source: --hf-path DIR or --gguf FILE")
+    optionally quantized), a GGUF file, or a DFlash / EAGLE-3 drafter, to an MLX directory,
+    written atomically, with mlx_spec_conversion.json recording where the weights came from."""
+    if sum(source is not None for source in (hf_path, gguf_path, drafter_path)) != 1:
+        raise click.UsageError("give one source: --hf-path DIR, --gguf FILE or --drafter DIR")
+    if model_path is not None and drafter_path is None:
+        raise click.UsageError("--model names the target of a --drafter")
     if quantize and gguf_path is not None:
         raise click.UsageError("-q is for --hf-path; a GGUF file's quantized tensors stay packed "
                                "with --dtype keep")
@@ -52,7 +61,16 @@ def convert(hf_path, gguf_path, mlx_path, dtype, quantize, q_bits, q_group_size,
         bar.update(done - bar.pos, item)
 
     try:
-        if hf_path is not None:
+        if drafter_path is not None:
+            from mlx_spec.convert.drafter import convert_drafter
+            from mlx_spec.models.default import default_model_path
+            from mlx_spec.models.target import load_target
+
+            target = load_target(model_path or default_model_path(), "auto")
+            out = convert_drafter(drafter_path, mlx_path, target, dtype=None if dtype == "keep" else dtype,
+                                  quantize=quantize, q_bits=int(q_bits), q_group_size=int(q_group_size),
+                                  overwrite=overwrite, progress=progress)
+        elif hf_path is not None:
             from mlx_spec.convert.hf import convert_hf
 
             out = convert_hf(hf_path, mlx_path, quantize=quantize, q_bits=int(q_bits),

@@ -74,6 +74,17 @@ def check_not_pickled(path) -> None:
                            "never pickles (convert them with a tool you trust first)")
 
 
+def quantize_as_stored(model, config: dict, weights: dict) -> None:
+    """Where config.json carries mlx-lm's "quantization" ({group_size, bits}), make quantized
+    the layers whose stored weights have scales (as mlx_lm.load does), before loading them."""
+    import mlx.nn as nn
+
+    q = config.get("quantization")
+    if q:
+        nn.quantize(model, group_size=q["group_size"], bits=q["bits"],
+                    class_predicate=lambda name, module: f"{name}.scales" in weights)
+
+
 def read_weights(path) -> dict:
     """Every tensor of the directory's *.safetensors files."""
     path = Path(path)

@@ -22,7 +22,7 @@ from mlx_lm.models.qwen3 import MLP
 from mlx_lm.models.rope_utils import initialize_rope
 
 from ..errors import MlxSpecError
-from .checkpoint import check_not_pickled, one_line, read_config, read_weights
+from .checkpoint import check_not_pickled, one_line, quantize_as_stored, read_config, read_weights
 
 ARCHITECTURE = "DFlashDraftModel"
 
@@ -200,15 +200,17 @@ def _check(args: ModelArgs, target) -> None:
 def load_dflash(path, target) -> DFlashModel:
     """Load a z-lab DFlash drafter directory for `target` (a models.target.Target)."""
     path = Path(path)
-    args = ModelArgs.from_dict(_read_config(path))
+    config = _read_config(path)
+    args = ModelArgs.from_dict(config)
     if args.target_layer_ids is None:
         args.target_layer_ids = spread_layer_ids(target.num_layers, args.num_hidden_layers)
     check_not_pickled(path)
     _check(args, target)
-    weights = read_weights(path)
     model = DFlashModel(args)
+    weights = model.sanitize(read_weights(path))
     try:
-        model.load_weights(list(model.sanitize(weights).items()), strict=True)
+        quantize_as_stored(model, config, weights)
+        model.load_weights(list(weights.items()), strict=True)
     except Exception as e:  # mlx raises several types for mismatched weights
         raise MlxSpecError(f"cannot load DFlash drafter {path}: {one_line(e)}") from None
     # Compute in the dtype of the target's hidden states (bf16 checkpoints on an fp32 CPU target).

@@ -25,7 +25,7 @@ from mlx_lm.models.llama import MLP
 from mlx_lm.models.rope_utils import initialize_rope
 
 from ..errors import MlxSpecError
-from .checkpoint import one_line, read_config, read_weights
+from .checkpoint import one_line, quantize_as_stored, read_config, read_weights
 
 
 @dataclass
@@ -206,7 +206,7 @@ class Model(nn.Module):
         return out
 
 
-def _check_against_target(args: ModelArgs, weights: dict, target, path: Path) -> None:
+def _check_against_target(args: ModelArgs, weights: dict, target, path: Path, bits=None) -> None:
     n = target.num_layers
     if args.num_hidden_layers != 1:
         raise MlxSpecError(f"{path}: EAGLE-3 with {args.num_hidden_layers} draft layers is not "
@@ -221,6 +221,8 @@ def _check_against_target(args: ModelArgs, weights: dict, target, path: Path) ->
         raise MlxSpecError(f"{path}: hidden size {args.hidden_size} differs from the target's "
                            f"{target.hidden_size} and the checkpoint has no embed_tokens of its own")
     fc_in = weights["fc.weight"].shape[1] if "fc.weight" in weights else None
+    if fc_in is not None and "fc.scales" in weights:   # quantized: `bits`-bit values packed in uint32
+        fc_in = fc_in * 32 // bits
     fused_width = len(args.aux_layer_ids) * target.hidden_size
     if args.target_hidden_size != target.hidden_size or fc_in not in (None, fused_width):
         raise MlxSpecError(
@@ -259,8 +261,9 @@ def load_eagle3(path, target) -> Model:
     args.has_embedding = "embed_tokens.weight" in raw
     model = Model(args, target_embed=target.embed)
     weights = model.sanitize(raw)
-    _check_against_target(args, weights, target, path)
+    _check_against_target(args, weights, target, path, (config.get("quantization") or {}).get("bits"))
     try:
+        quantize_as_stored(model, config, weights)
         model.load_weights(list(weights.items()), strict=True)
     except ValueError as e:
         raise MlxSpecError(f"cannot load EAGLE-3 weights from {path}: {one_line(e)}") from None

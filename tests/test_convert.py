@@ -1,5 +1,5 @@
-"""`mlx-spec convert --hf-path`: mlx-lm's conversion of a local Hugging Face directory, written
-atomically, with a one-line error for each bad input."""
+"""`mlx-spec convert`: mlx-lm's conversion of a local Hugging Face directory, and published
+drafters cast or quantized; written atomically, with a one-line error for each bad input."""
 
 import json
 import shutil
@@ -85,3 +85,63 @@ def test_bad_checkpoints_are_one_line(source, tmp_path, how, fragments):
 def test_bad_arguments_are_one_line(tmp_path, args, fragment):
     code, _, err = cli(["convert", *[a.format(tmp=tmp_path) for a in args]])
     assert_one_line_error(code, err, fragment)
+
+
+def drafts_of(drafter_dir, method, prompt="Count from one to ten.", n=24):
+    """Every draft proposed while the default model answers, greedy, every draft verified."""
+    from mlx_spec.drafters import make_drafter
+    from mlx_spec.engine import Engine
+    from mlx_spec.models.default import default_model_path
+    from mlx_spec.models.target import load_target
+
+    target = load_target(default_model_path(), "auto")
+    drafter = make_drafter(method, target, {"draft_model": str(drafter_dir)})
+    proposed, propose = [], drafter.propose
+
+    def recording(k):
+        draft = propose(k)
+        proposed.append(draft.tokens.tolist() if hasattr(draft.tokens, "tolist") else list(draft.tokens))
+        return draft
+
+    drafter.propose = recording
+    engine = Engine(target, drafter, num_draft_tokens=4, adaptive=False)
+    prompt = target.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
+    tokens = [e[1] for e in engine.generate(prompt, max_tokens=n) if e[0] == "token"]
+    return tokens, proposed
+
+
+@pytest.mark.parametrize("method", ["eagle", "dflash"])
+def test_drafter_conversion(method, tmp_path):
+    """A converted float drafter drafts exactly what the original does; an 8-bit one loads with
+    quantized layers and leaves the output the target's (its agreement with the float drafts on
+    held-out prompts is measured by benchmarks/quantized_drafters.py)."""
+    from mlx_spec.models.default import SHIPPED_DRAFTERS
+
+    shipped = SHIPPED_DRAFTERS / method
+    code, _, err = cli(["convert", "--drafter", str(shipped), "--mlx-path", str(tmp_path / "same")])
+    assert code == 0, err
+    tokens, drafts = drafts_of(shipped, method)
+    assert drafts_of(tmp_path / "same", method) == (tokens, drafts)
+    code, _, err = cli(["convert", "--drafter", str(shipped), "--mlx-path", str(tmp_path / "q8"), "-q",
+                        "--q-bits", "8"])
+    assert code == 0, err
+    assert json.loads((tmp_path / "q8" / "config.json").read_text())["quantization"]["bits"] == 8
+    assert (tmp_path / "q8" / "model.safetensors").stat().st_size < 0.6 * (shipped / "model.safetensors").stat().st_size
+    assert drafts_of(tmp_path / "q8", method)[0] == tokens
+
+
+def test_bad_drafters_are_one_line(source, tmp_path):
+    from mlx_spec.models.default import SHIPPED_DRAFTERS
+
+    code, _, err = cli(["convert", "--drafter", str(source), "--mlx-path", str(tmp_path / "a")])
+    assert_one_line_error(code, err, "holds a language model", "--hf-path")
+    # Made for another target: the tiny model has 2 layers, the drafter fuses layer 15.
+    code, _, err = cli(["convert", "--drafter", str(SHIPPED_DRAFTERS / "eagle"), "--model", str(source),
+                        "--mlx-path", str(tmp_path / "b")])
+    assert_one_line_error(code, err, str(SHIPPED_DRAFTERS / "eagle"), "outside this target's 2 layers")
+    unknown = tmp_path / "unknown"
+    unknown.mkdir()
+    (unknown / "config.json").write_text(json.dumps({"hidden_size": 8}))
+    code, _, err = cli(["convert", "--drafter", str(unknown), "--mlx-path", str(tmp_path / "c")])
+    assert_one_line_error(code, err, "no drafter mlx-spec knows")
+    assert not any((tmp_path / name).exists() for name in "abc")
