@@ -39,6 +39,8 @@ class LinearCost:
         lam = self.prior_weight * self.s0
         # Minimize sum w (y - a - b x)^2 + lam (b - b0)^2: a 2x2 linear system.
         det = self.s0 * (self.s2 + lam) - self.s1 * self.s1
-        b = (self.s0 * (self.t1 + lam * b0) - self.s1 * self.t0) / det
+        # Wider never costs less (a negative slope is noise), and no width costs nothing: an
+        # extrapolated fit must not reach zero, where the policy's rates would be infinite.
+        b = max(0.0, (self.s0 * (self.t1 + lam * b0) - self.s1 * self.t0) / det)
         a = (self.t0 - b * self.s1) / self.s0
-        return max(0.0, a + b * x)
+        return max(0.1 * my, a + b * x)

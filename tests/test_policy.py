@@ -47,6 +47,16 @@ def test_linear_cost_with_one_width_uses_the_prior_shape():
     assert abs(cost(4) - 1.3) < 1e-6 and abs(cost(1) - 1.0) < 1e-6   # 1.3 = 1 + 0.1 * 3
 
 
+def test_linear_cost_never_falls_to_zero():
+    """Noisy timings that fall with the width (a busy machine) do not make wider look cheaper,
+    nor any width free: the policy divides by these costs."""
+    cost = LinearCost(prior_ratio=0.1, unknown_scale=0.0, skip_first=False)
+    for _ in range(20):
+        for w, seconds in ((2, 0.05), (8, 0.01), (16, 0.001)):
+            cost.record(w, seconds)
+    assert cost(1) > 0 and cost(40) >= cost(1) > 0.001
+
+
 def test_never_accepted_drafts_give_plain_steps_with_rare_probes():
     policy = measured_policy(verify_slope=0.1, draft_per_position=0.1)
     teach(policy, accepted=False)
