@@ -138,7 +138,7 @@ class Engine:
         if self.policy is None or not len(draft):
             return draft, list(range(len(draft)))
         mx.eval(draft.tokens, draft.confidence)
-        self.policy.draft_cost.record(drafted, time.perf_counter() - tic)
+        self.policy.record_drafting(drafted, time.perf_counter() - tic)
         confidence = draft.confidence.tolist() if isinstance(draft.confidence, mx.array) else draft.confidence
         kept = self.policy.select(confidence or [None] * len(draft), draft.parent_nodes, drafted)
         return draft.subset(kept), kept

@@ -23,7 +23,8 @@ from .cost import LinearCost
 
 BINS = 20               # calibration buckets over confidence in [0, 1]
 PROBE_FIRST, PROBE_MAX = 4, 64
-HOPELESS_PROBE = 256    # steps between probes when even perfect drafts would not pay
+HOPELESS_PROBE = 256    # steps between probes when even perfect drafts would not pay,
+PROBE_SHARE = 0.02      # and more where a probe costs more than this share of the steps between
 
 
 class Calibration:
@@ -62,6 +63,7 @@ class DraftPolicy:
         self.skipped = 0          # plain steps in a row since the last draft
         self.probe_interval = PROBE_FIRST
         self.probing = False      # this step drafts to learn, not because it pays
+        self.probe_seconds = 0.0  # what the last probe's drafting cost (a drafter may catch up then)
 
     # --- decision 1 ---------------------------------------------------------------------
     def draft_length(self, max_k: int) -> int:
@@ -84,11 +86,17 @@ class DraftPolicy:
         # Probe, cheaply: has drafting become worth it? (Rarely where even perfect drafts cannot
         # pay; that check runs only when a probe would otherwise be due.)
         due = self.skipped >= self.probe_interval and not self._hopeless(max_k, plain)
-        if due or self.skipped >= HOPELESS_PROBE:
+        hopeless_every = max(HOPELESS_PROBE, self.probe_seconds / (PROBE_SHARE * self.verify_cost(1)))
+        if due or self.skipped >= hopeless_every:
             self.skipped, self.probe_interval = 0, min(2 * self.probe_interval, PROBE_MAX)
             self.probing = True
             return 1
         return 0
+
+    def record_drafting(self, drafted: int, seconds: float) -> None:
+        self.draft_cost.record(drafted, seconds)
+        if self.probing:
+            self.probe_seconds = seconds
 
     def _hopeless(self, max_k: int, plain: float) -> bool:
         """Whether even drafts that are always accepted would not pay (a drafter as slow as the

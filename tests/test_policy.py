@@ -150,3 +150,18 @@ def test_a_drafter_as_slow_as_the_target_is_left_alone():
     teach(policy, accepted=True)
     lengths = [policy.draft_length(3) for _ in range(200)]
     assert lengths == [0] * 200
+
+
+def test_costly_probes_come_rarely():
+    """A hopeless drafter whose probe costs 20 steps (a draft model catching up on everything
+    since the last probe) is probed so rarely that probes cost at most 2% of the time."""
+    policy = measured_policy(verify_slope=0.1, draft_per_position=1.0)
+    teach(policy, accepted=True)
+    probes = []
+    for step in range(5000):
+        k = policy.draft_length(3)
+        if k:
+            probes.append(step)
+            policy.record_drafting(k, 20 * 0.05)   # 20 steps of 0.05 s
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert probes and min(gaps) >= 20 / 0.02 - 1
