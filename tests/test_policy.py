@@ -165,3 +165,18 @@ def test_costly_probes_come_rarely():
             policy.record_drafting(k, 20 * 0.05)   # 20 steps of 0.05 s
     gaps = [b - a for a, b in zip(probes, probes[1:])]
     assert probes and min(gaps) >= 20 / 0.02 - 1
+
+
+def test_drafts_never_worth_verifying_stop_being_drafted():
+    """A drafter whose confident-looking drafts the calibration knows to fail: the selection
+    drops them, and the draft length follows (it used to keep drafting what was dropped)."""
+    policy = cpu_like_policy()
+    for _ in range(100):
+        policy.calibration.record(0.05, False)
+    lengths = []
+    for _ in range(200):
+        k = policy.draft_length(4)
+        lengths.append(k)
+        if k:
+            assert policy.select([0.05] * k, list(range(k)), k) == ([] if not policy.probing else [0])
+    assert sum(lengths[-100:]) <= 3   # plain steps, but for rare probes
