@@ -126,14 +126,13 @@ class DraftPolicy:
             rate = expected / (drafting + self.verify_cost(n + 1))
             if rate > best_rate:
                 best_n, best_rate = n, rate
-        kept = sorted(order[:best_n])
-        # Drafts left unverified never reach record(); decision 1 must still learn that they
-        # were not worth it, or it keeps drafting what decision 2 keeps dropping. Their
-        # calibrated chance stands in for the outcome.
-        for i in set(order[best_n:]):
-            if parents[i] == 0 or parents[i] - 1 in kept:
-                self.alpha = 0.95 * self.alpha + 0.05 * self.calibration(confidence[i])
-        return kept
+        if not best_n and order:
+            # Nothing worth verifying: the step's drafting was wasted, and no outcome reaches
+            # record(). Decision 1 must still learn it, or it keeps drafting what this decision
+            # keeps dropping: the best first draft's calibrated chance stands in for one.
+            best = max(self.calibration(confidence[i]) for i in order if parents[i] == 0)
+            self.alpha = 0.95 * self.alpha + 0.05 * best
+        return sorted(order[:best_n])
 
     def worth_extending(self, confidence: Sequence[float], drafted: int) -> bool:
         """For a chain drafted one position at a time: whether every draft so far pays its
