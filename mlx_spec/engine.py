@@ -113,7 +113,8 @@ class Engine:
 
     def _roll_back(self, length: int) -> None:
         """Keep the first `length` cached positions. A cache that cannot drop the rest exactly
-        (a window that moved past them, a recurrent state) starts again empty."""
+        (a window that moved past them, a recurrent state outside the last verification pass,
+        which cache.Replay covers) starts again empty."""
         if length < len(self.cached_tokens) and not rollback_to(self.cache, length, self.replay):
             self.reset()
         self.cached_tokens = self.cached_tokens[:length]
