@@ -55,7 +55,7 @@ def _int_list(ctx, param, value):
 
 
 def training_options(f):
-    """What `train eagle` and `train dflash` share."""
+    """What `train eagle`, `train dflash` and `train mtp` share."""
     options = [
         click.option("--target", "model_path", default=None,
                      help="Target model directory (default: the embedded model)."),
@@ -66,9 +66,9 @@ def training_options(f):
         click.option("--steps", type=click.IntRange(1), default=2000, show_default=True,
                      help="Optimizer steps in all (a resumed run continues up to it)."),
         click.option("--batch-size", "--batch", type=click.IntRange(1), default=None,
-                     help="Sequences per step [eagle: 4, dflash: 2]."),
+                     help="Sequences per step [eagle, mtp: 4; dflash: 2]."),
         click.option("--lr", type=click.FloatRange(min=0, min_open=True), default=None,
-                     help="Peak AdamW learning rate [eagle: 3e-4, dflash: 6e-4]."),
+                     help="Peak AdamW learning rate [eagle, mtp: 3e-4; dflash: 6e-4]."),
         click.option("--warmup", type=click.IntRange(0), default=50, show_default=True,
                      help="Linear warmup steps, then cosine decay to lr/10."),
         click.option("--weight-decay", type=click.FloatRange(0), default=0.0, show_default=True,
@@ -202,3 +202,21 @@ def dflash(model_path, data_dir, out_dir, steps, batch_size, lr, warmup, weight_
                             mask_token_id=mask_token_id, max_length=max_length, save_every=save_every,
                             seed=seed, save_dtype=save_dtype, init=init_dir, max_minutes=max_minutes)
     _run_training("dflash", train_dflash, options, model_path, data_dir, out_dir, dtype, resume, feature_cache)
+
+
+@train.command("mtp", short_help="Train an MTP module (DeepSeek-V3 layout) against the frozen target.")
+@training_options
+@click.option("--ttt-steps", type=click.IntRange(1), default=3, show_default=True,
+              help="Training-time test: depths the module runs on its own outputs.")
+@reports_errors
+def mtp(model_path, data_dir, out_dir, steps, batch_size, lr, warmup, weight_decay, max_length, save_every,
+        resume, init_dir, max_minutes, seed, dtype, save_dtype, feature_cache, ttt_steps):
+    """Train an MTP module (DeepSeek-V3 layout: one decoder layer of the target's class, sharing
+    its embedding and output layer) against a frozen Llama-family target."""
+    from ..train.mtp import MTPOptions, train_mtp
+
+    options = MTPOptions(steps=steps, batch_size=batch_size or 4, lr=lr or 3e-4, warmup=warmup,
+                         weight_decay=weight_decay, ttt_steps=ttt_steps, max_length=max_length,
+                         save_every=save_every, seed=seed, save_dtype=save_dtype, init=init_dir,
+                         max_minutes=max_minutes)
+    _run_training("mtp", train_mtp, options, model_path, data_dir, out_dir, dtype, resume, feature_cache)

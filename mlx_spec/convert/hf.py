@@ -4,7 +4,9 @@ The conversion itself is mlx-lm's (`mlx_lm.convert`: its model ports, sanitize, 
 this adds what a user needs around it: a one-line error for each bad input before any work
 (not a directory, a corrupt config, an architecture mlx-lm has no port for, shards the index
 names but the directory lacks or that are cut short, pickled weights only), an atomic write,
-and a record of where the weights came from."""
+a record of where the weights came from, and the model's MTP module, which mlx-lm's sanitize
+drops: its tensors, under their published names, go to OUT/mtp (config.json + safetensors),
+where --draft mtp finds them (models/mtp.py)."""
 
 import json
 from pathlib import Path
@@ -87,8 +89,30 @@ def convert_hf(hf_path, mlx_path, quantize: bool = False, q_bits: int = 4, q_gro
                     q_group_size=q_group_size if quantize else None, dtype=dtype)
         if progress:
             progress(3, 3, "writing")
+        write_mtp_sidecar(hf_path, config, tmp, dtype)
 
     info = {"source": str(hf_path), "format": "huggingface", "model_type": config.get("model_type"),
             "converter": "mlx_lm.convert", "dtype": dtype,
             "quantization": {"bits": q_bits, "group_size": q_group_size} if quantize else None}
     return write_dir(mlx_path, fill, info)
+
+
+def write_mtp_sidecar(hf_path: Path, config: dict, out: Path, dtype: Optional[str]) -> bool:
+    """Copy the checkpoint's MTP tensors (cast to `dtype` when given) to out/mtp; False when it
+    has none."""
+    import mlx.core as mx
+
+    from ..models.mtp import SIDECAR, has_mtp_weights, read_mtp_weights
+
+    n = int(config.get("num_hidden_layers") or (config.get("text_config") or {}).get("num_hidden_layers") or 0)
+    if not has_mtp_weights(hf_path, n):
+        return False
+    weights = read_mtp_weights(hf_path, n)
+    if dtype:
+        weights = {k: v.astype(getattr(mx, dtype)) if mx.issubdtype(v.dtype, mx.floating) else v
+                   for k, v in weights.items()}
+    sidecar = out / SIDECAR
+    sidecar.mkdir()
+    (sidecar / "config.json").write_text(json.dumps(config, indent=2))
+    mx.save_safetensors(str(sidecar / "model.safetensors"), weights, metadata={"format": "pt"})
+    return True

@@ -70,6 +70,17 @@ def _eagle(target, options):
     return EagleDrafter(model, target.vocab_size, tree_budget=options.get("tree_budget", 0), tree_topk=options.get("tree_topk") or 8)
 
 
+def _mtp(target, options):
+    from ..models.mtp import find_mtp, load_mtp
+    from .eagle import EagleDrafter
+
+    if options.get("tree_budget"):
+        raise MlxSpecError("--draft mtp drafts a chain: drop --tree-budget")
+    if options.get("draft_model"):
+        check_kind(options["draft_model"], "mtp")
+    return EagleDrafter(load_mtp(find_mtp(target, options.get("draft_model")), target), target.vocab_size)
+
+
 @dataclass(frozen=True)
 class Source:
     make: Callable
@@ -87,6 +98,7 @@ DRAFTERS = {
     "dflash": Source(_dflash, 8, "DFlash block drafter"),
     "ddtree": Source(_ddtree, 8, "a tree from one DFlash block's distributions"),
     "eagle": Source(_eagle, 4, "EAGLE-3 draft layer"),
+    "mtp": Source(_mtp, 3, "the target's multi-token-prediction module (DeepSeek, GLM, MiMo, Qwen3-Next)"),
 }
 
 

@@ -1,4 +1,5 @@
-"""EAGLE-3 chain drafting: one draft layer fed with the target's own features.
+"""EAGLE-3 chain drafting: one draft layer fed with the target's own features. An MTP module
+(models/mtp.py) has the same interface and drafts through the same code (chains only).
 
 Position t of the layer's cache holds the pair (token t+1, fused target feature at t); the
 layer's output there predicts token t+2. A draft step feeds the layer's own pre-norm output
@@ -26,7 +27,7 @@ class EagleDrafter(Drafter):
         self.tree = tree_budget > 0
         self.taps = model.taps
         self.vocab_size = vocab_size        # the target's: q spans it
-        self.target_ids = model.to_target(mx.arange(model.args.draft_vocab_size))
+        self.target_ids = model.draft_ids  # column j's target id (None: the target's vocabulary)
         self.cache = model.make_cache()
         self.paired: List[int] = []         # paired[t]: the token at cache position t (context[t+1])
         self.last_hidden = None             # the layer's output at the last position: drafts from it

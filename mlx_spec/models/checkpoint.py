@@ -36,7 +36,7 @@ KINDS = {
     "dflash": ("a DFlash drafter", ("dflash", "ddtree")),
     "eagle": ("an EAGLE-3 drafter", ("eagle",)),
     "medusa": ("Medusa heads", ()),
-    "model": ("a language model", ("model",)),
+    "model": ("a language model", ("model", "mtp")),   # mtp: its MTP weights
 }
 
 

@@ -188,6 +188,11 @@ class Model(nn.Module):
     def to_target(self, draft_ids: mx.array) -> mx.array:
         return draft_ids + self.d2t[draft_ids]
 
+    @property
+    def draft_ids(self) -> mx.array:
+        """The target id of each column of the head."""
+        return self.to_target(mx.arange(self.args.draft_vocab_size))
+
     @staticmethod
     def make_cache() -> List[KVCache]:
         return [KVCache()]

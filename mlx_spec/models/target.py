@@ -114,9 +114,13 @@ class Target:
             return self.model.lm_head(hidden)
         return self.embed_tokens.as_linear(hidden)
 
+    @property
+    def final_norm(self):
+        return self._part(("norm", "norm_f", "final_layernorm"), "final norm")
+
     def head(self, hidden: mx.array) -> mx.array:
         """The target's final norm + output projection, applied to a last-layer hidden state."""
-        return self.lm_head(self._part(("norm", "norm_f", "final_layernorm"), "final norm")(hidden))
+        return self.lm_head(self.final_norm(hidden))
 
     # --- facts about the model -----------------------------------------------------------
     @property

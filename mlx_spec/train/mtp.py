@@ -1,0 +1,179 @@
+"""Training an MTP module (DeepSeek-V3 layout, one module) against a frozen target.
+
+What is trained: the two input norms, eh_proj, one decoder layer of the target's own class and
+shared_head.norm. What is not: the target, whose embedding and output layer the module shares
+(so the published checkpoint has no shared_head.head and stays small). The decoder layer
+starts as a copy of the target's last layer with its residual branches zeroed (o_proj,
+down_proj) and eh_proj as [small ; identity]: the module starts as the target's own
+next-token head (its input is the target's normed state; one position off) instead of noise,
+which matters on a CPU budget of an hour.
+
+Training-time test as for EAGLE-3 (train/eagle.py): row t of step 0 pairs token x_{t+1} with
+the target's normed last hidden state at t and predicts x_{t+2}; step j feeds the module's own
+output of step j-1 with token x_{t+1+j} and predicts x_{t+2+j}, attending to the step-0
+entries of rows 0..t and its own chain: the cache a chain of MTP drafts sees at inference.
+The loss is the cross-entropy over the target's whole vocabulary, on the response positions
+only (their rows are gathered before the output layer, the costliest matmul). Layers of the
+Llama family (q/k/v/o projections, input and post-attention norms) only."""
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable, List, Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx.utils import tree_flatten
+
+from ..errors import MlxSpecError
+from ..models.mtp import LAYOUTS, Model
+from .eagle import _chain_attention
+from .loop import (FeatureStore, LoopOptions, TrainResult, batch_indices, cast_for_saving,
+                   load_sequences, resume_step, run_loop, used_indices)
+
+
+@dataclass
+class MTPOptions(LoopOptions):
+    ttt_steps: int = 3              # depths trained: the module fed its own output
+    ttt_decay: float = 0.8          # weight of step j's loss: ttt_decay ** j
+
+
+def new_mtp_model(target, seed: int = 0) -> Model:
+    layer = target.layers[-1]
+    needed = ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm")
+    if not all(hasattr(layer, a) for a in needed) or not hasattr(layer.self_attn, "q_proj"):
+        raise MlxSpecError(f"training an MTP module needs a Llama-family target (q/k/v/o attention); "
+                           f"this one is {target.model_type}")
+    model = Model(target, LAYOUTS["deepseek"])
+    model.layer.update(layer.parameters())       # a copy of the target's last layer, whose
+    # residual branches start at zero: it was made for the residual stream, not a normed state
+    model.layer.self_attn.o_proj.weight = mx.zeros_like(model.layer.self_attn.o_proj.weight)
+    model.layer.mlp.down_proj.weight = mx.zeros_like(model.layer.mlp.down_proj.weight)
+    H = target.hidden_size
+    noise = mx.random.normal((H, H), key=mx.random.key(seed)) * (0.02 / np.sqrt(H))
+    model.proj.weight = mx.concatenate([noise, mx.eye(H)], axis=1)   # [embedding ; hidden]
+    model.set_dtype(mx.float32)
+    mx.eval(model.parameters())
+    return model
+
+
+def ttt_forward(model: Model, embeds: mx.array, hidden: mx.array, steps: int) -> List[mx.array]:
+    """The module's outputs [b, n, H] at `steps` depths. embeds [b, n + steps - 1, H]: the
+    target's embeddings of x_1, x_2, ...; hidden [b, n, H]: the target's normed last hidden
+    states at 0..n-1. The module's own pieces, with the chain mask of train/eagle.py."""
+    layer, attn = model.layer, model.layer.self_attn
+    b, n, _ = hidden.shape
+    outputs, keys, values = [], [], []
+    for j in range(steps):
+        e = embeds[:, j:j + n]
+        if j == 0:   # position 0's embedding is zeroed (models/mtp.py)
+            e = mx.concatenate([mx.zeros_like(e[:, :1]), e[:, 1:]], axis=1)
+        x = model.proj(mx.concatenate([model.embed_norm(e), model.hidden_norm(hidden)], axis=-1))
+        y = layer.input_layernorm(x)
+        q = attn.q_proj(y).reshape(b, n, attn.n_heads, -1).transpose(0, 2, 1, 3)
+        k = attn.k_proj(y).reshape(b, n, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        v = attn.v_proj(y).reshape(b, n, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        keys.append(attn.rope(k, offset=j))
+        values.append(v)
+        out = _chain_attention(attn.rope(q, offset=j), keys, values, attn.scale)
+        h = x + attn.o_proj(out.transpose(0, 2, 1, 3).reshape(b, n, -1))
+        hidden = h + layer.mlp(layer.post_attention_layernorm(h))
+        outputs.append(hidden)
+    return outputs
+
+
+def mtp_loss(model: Model, embeds, hidden, rows, labels, step_weights):
+    """rows[j], labels[j]: the flat indices (into b * n) of step j's trained rows and their
+    labels -> (weighted mean cross-entropy, {"accuracy": step-0 top-1 accuracy})."""
+    outputs = ttt_forward(model, embeds, hidden, len(rows))
+    total, accuracy = 0.0, None
+    for j, out in enumerate(outputs):
+        flat = out.reshape(-1, out.shape[-1])[rows[j]]
+        logits = model.logits(flat)
+        ce = nn.losses.cross_entropy(logits, labels[j], reduction="mean")
+        total = total + step_weights[j] * ce
+        if j == 0:
+            accuracy = (mx.argmax(logits, axis=-1) == labels[0]).mean()
+    return total / sum(step_weights), {"accuracy": accuracy}
+
+
+def make_mtp_batch(target, model: Model, store: FeatureStore, sequences, steps: int):
+    """(embeds, normed hidden, rows, labels) for the sequences, right-padded."""
+    b = len(sequences)
+    n = max(len(s.tokens) for s in sequences) - 1
+    tokens = np.zeros((b, n + steps + 1), np.int64)
+    features, rows, labels = [], [[] for _ in range(steps)], [[] for _ in range(steps)]
+    for i, seq in enumerate(sequences):
+        T = len(seq.tokens)
+        tokens[i, :T] = seq.tokens
+        f = store.get(seq)[:T - 1]
+        features.append(mx.pad(f, [(0, n - (T - 1)), (0, 0)]) if T - 1 < n else f)
+        for j in range(steps):
+            for t in range(n):
+                where = t + 2 + j                        # the label's position in the sequence
+                if seq.prompt_length <= where <= T - 1:
+                    rows[j].append(i * n + t)
+                    labels[j].append(seq.tokens[where])
+    if not rows[0]:
+        rows = [[0]] * steps   # a batch without responses: a harmless row (cannot happen with real data)
+        labels = [[int(tokens[0, 2])]] * steps
+    embeds = target.embed(mx.array(tokens[:, 1:n + steps])).astype(mx.float32)
+    hidden = model.fuse(mx.stack(features)).astype(mx.float32)
+    return (embeds, hidden, [mx.array(r) for r in rows], [mx.array(l) for l in labels])
+
+
+def save_mtp(model: Model, target, path, dtype: str = "float32") -> Path:
+    """The module as DeepSeek-V3 publishes one: model.layers.{N}.{enorm, hnorm, eh_proj,
+    shared_head.norm, <the decoder layer>} in model.safetensors, next to the target's
+    config.json with num_nextn_predict_layers = 1 (what load_mtp reads)."""
+    path, n = Path(path), target.num_layers
+    names = {"embed_norm": "enorm", "hidden_norm": "hnorm", "proj": "eh_proj", "final_norm": "shared_head.norm"}
+    weights = {}
+    for name, w in tree_flatten(model.parameters()):
+        part, rest = name.split(".", 1)
+        weights[f"model.layers.{n}.{rest if part == 'layer' else names[part] + '.' + rest}"] = w
+    config = dict(target.config, num_nextn_predict_layers=1, torch_dtype=dtype)
+    config.pop("quantization", None)
+    config.pop("quantization_config", None)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    mx.save_safetensors(str(path / "model.safetensors"), cast_for_saving(weights, dtype), metadata={"format": "pt"})
+    return path
+
+
+def train_mtp(target, data_dir, out_dir, options: Optional[MTPOptions] = None, resume: bool = False,
+              feature_dir="default", progress: Optional[Callable[[dict], None]] = None,
+              feature_progress: Optional[Callable[[int], None]] = None) -> TrainResult:
+    """Train an MTP module for `target` on `mlx-spec train data` output; write it to out_dir
+    (DeepSeek layout, loadable with --draft mtp --draft-model out_dir)."""
+    o = options or MTPOptions()
+    if o.ttt_steps < 1 or o.batch_size < 1 or o.steps < 1:
+        raise MlxSpecError("--steps, --batch-size and --ttt-steps must be >= 1")
+    out_dir = Path(out_dir)
+    sequences = load_sequences(data_dir, o.max_length)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    mx.random.seed(o.seed)
+    start = resume_step(out_dir, resume)
+    if o.init and not start:
+        from ..models.mtp import load_mtp
+
+        model = load_mtp(o.init, target)
+        model.set_dtype(mx.float32)
+    else:
+        model = new_mtp_model(target, o.seed)
+    store = FeatureStore(target, model.taps, out_dir / "features" if feature_dir == "default" else feature_dir)
+    store.prepare([sequences[i] for i in used_indices(len(sequences), o.batch_size, start, o.steps, o.seed)],
+                  feature_progress)
+    step_weights = [o.ttt_decay ** j for j in range(o.ttt_steps)]
+
+    def make_batch(step):
+        batch = [sequences[i] for i in batch_indices(len(sequences), o.batch_size, step, o.seed)]
+        return (*make_mtp_batch(target, model, store, batch, o.ttt_steps), step_weights), sum(len(s.tokens) for s in batch)
+
+    architecture = {"hidden_size": target.hidden_size, "target_layers": target.num_layers,
+                    "vocab_size": target.vocab_size, "layout": "deepseek"}
+    result = run_loop("mtp", model, mtp_loss, make_batch, o, out_dir, architecture, {"mtp": asdict(o)},
+                      resume, progress)
+    result.path = save_mtp(model, target, out_dir, o.save_dtype)
+    return result
