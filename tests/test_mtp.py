@@ -36,6 +36,7 @@ ARCHS = {   # architecture: (layout, config beyond tiny_config)
                                   partial_rotary_factor=0.5)),
     "mimo": ("mimo", dict()),
     "qwen3_next": ("qwen3_next", dict(RECURRENT["qwen3_next"])),
+    "qwen3_5": ("qwen3_next", dict(RECURRENT["qwen3_5"])),   # a text model inside, dense
     "llama": ("deepseek", dict()),   # the layout `train mtp` writes for the default model
 }
 PROMPT = [1, 5, 7, 9, 11, 13, 2, 5, 7, 9, 11, 13, 2, 5]
@@ -75,9 +76,9 @@ def published(params, arch):
                 [w.swapaxes(-1, -2), unembed], axis=1).reshape(heads * (w.shape[2] + unembed.shape[1]), -1)
         elif arch == "deepseek_v3" and "unembed_out" in name:
             continue
-        elif arch == "qwen3_next" and name.endswith(QWEN3_NEXT_NORMS):
+        elif arch.startswith("qwen3_") and name.endswith(QWEN3_NEXT_NORMS):
             out[name] = w - 1.0   # zero-centred, as published
-        elif arch == "qwen3_next" and name.endswith("conv1d.weight"):
+        elif arch.startswith("qwen3_") and name.endswith("conv1d.weight"):
             out[name] = w.moveaxis(2, 1)
         else:
             out[name] = w
@@ -156,9 +157,9 @@ def reference_forward(arch, target, reference, raw, tokens, hidden, cache, from_
     final = rms(out, raw[p + layout.final_norm + ".weight"], eps, zc)
     if layout.name == "deepseek":         # shared_head(norm(h)); the pre-norm state goes on
         head = raw.get(p + "shared_head.head.weight")
-        logits = final @ head.T if head is not None else target.model.lm_head(final)
+        logits = final @ head.T if head is not None else target.lm_head(final)
         return logits, out
-    return target.model.lm_head(final), final
+    return target.lm_head(final), final
 
 
 @pytest.mark.parametrize("arch", list(ARCHS))
@@ -207,7 +208,7 @@ def test_exact_sampling(tmp_path, arch):
 
 # Not deepseek_v3: mlx-lm's sanitize drops only "model.layers.61" (DeepSeek-V3's own size), so
 # plain mlx-lm cannot read a tiny original; GLM-4.5 is the same layout with a general sanitize.
-@pytest.mark.parametrize("arch", ["glm4_moe", "qwen3_next", "mimo"])
+@pytest.mark.parametrize("arch", ["glm4_moe", "qwen3_next", "qwen3_5", "mimo"])
 def test_converted_directory_keeps_the_module(tmp_path, arch):
     from mlx_lm.utils import load_model
 

@@ -16,7 +16,7 @@ Layouts, told apart by weight names (each as vLLM reads it; see LAYOUTS):
 - MiMo: `model.mtp_layers.{i}.`{token_layernorm, hidden_layernorm, input_proj,
   final_layernorm, the decoder layer}; [hidden ; embedding] (the other order); the output is
   final_layernorm'ed and the target's lm_head makes the logits.
-- Qwen3-Next / Qwen3.5: `mtp.`{pre_fc_norm_embedding, pre_fc_norm_hidden, fc, layers.{i}, norm};
+- Qwen3-Next / Qwen3.5 (`mtp_num_hidden_layers`): `mtp.`{pre_fc_norm_embedding, pre_fc_norm_hidden, fc, layers.{i}, norm};
   [embedding ; hidden]; the output is normed; the target's lm_head. Its norms store weight - 1
   (zero-centred), as the target's do.
 
@@ -69,6 +69,8 @@ LAYOUTS = {
                          zero_centred_norms=True),
 }
 WRAPPER = ("embed_norm", "hidden_norm", "proj", "final_norm")
+# The decoder-layer norms that Qwen3-Next / Qwen3.5 store as weight - 1 (mlx-lm's sanitize list).
+ZERO_CENTRED = ("input_layernorm.weight", "post_attention_layernorm.weight", "q_norm.weight", "k_norm.weight")
 
 
 def detect_layout(names, num_hidden_layers: int) -> Optional[Layout]:
@@ -85,6 +87,8 @@ def _prefix(template: str, num_hidden_layers: int, i: int = 0) -> str:
 
 def _target_args(target):
     args = getattr(target.model, "args", None)
+    if args is not None and not hasattr(args, "num_hidden_layers"):   # Qwen3.5: a text model inside
+        args = getattr(getattr(target.model, "language_model", None), "args", None)
     if args is None or not hasattr(args, "num_hidden_layers"):
         raise MlxSpecError(f"MTP needs the model arguments of the target's mlx-lm port, which this "
                            f"{target.model_type} model does not expose")
@@ -193,12 +197,19 @@ class Model(nn.Module):
                 out[f"{wrapper[part]}.{kind}"] = w
             elif name.startswith(layer_prefix) and not name.startswith(layer_prefix + "embed_tokens"):
                 layer["model.layers.0." + name[len(layer_prefix):]] = w
+        published = dict(layer)
         sanitize = getattr(self._target.model, "sanitize", None)
         if sanitize is not None and layer:
             layer = sanitize(layer)
-        for name, w in layer.items():
-            if name.startswith("model.layers.0."):
-                out["layer." + name[len("model.layers.0."):]] = w
+        for name, w in layer.items():   # a wrapping model may have prefixed it (language_model.)
+            if "model.layers.0." in name:
+                name = name.split("model.layers.0.", 1)[1]
+                # Whether a sanitize shifts zero-centred norms depends on what else it sees
+                # (Qwen3.5: a conv1d weight of the published shape): shift those it left alone.
+                if (layout.zero_centred_norms and w.ndim == 1 and name.endswith(ZERO_CENTRED)
+                        and mx.array_equal(w, published["model.layers.0." + name])):
+                    w = w + 1.0
+                out["layer." + name] = w
         return out
 
 
