@@ -70,6 +70,15 @@ def _eagle(target, options):
     return EagleDrafter(model, target.vocab_size, tree_budget=options.get("tree_budget", 0), tree_topk=options.get("tree_topk") or 8)
 
 
+def _medusa(target, options):
+    from ..models.medusa import load_medusa
+    from .medusa import MedusaDrafter
+
+    model = load_medusa(_drafter_path("medusa", target, options, "a Medusa heads directory"), target)
+    return MedusaDrafter(target, model, tree_budget=options.get("tree_budget") or 0,
+                         tree_topk=options.get("tree_topk") or 4)
+
+
 def _mtp(target, options):
     from ..models.mtp import find_mtp, load_mtp
     from .eagle import EagleDrafter
@@ -98,6 +107,7 @@ DRAFTERS = {
     "dflash": Source(_dflash, 8, "DFlash block drafter"),
     "ddtree": Source(_ddtree, 8, "a tree from one DFlash block's distributions"),
     "eagle": Source(_eagle, 4, "EAGLE-3 draft layer"),
+    "medusa": Source(_medusa, 4, "Medusa heads on the target's last hidden state"),
     "mtp": Source(_mtp, 3, "the target's multi-token-prediction module (DeepSeek, GLM, MiMo, Qwen3-Next)"),
 }
 

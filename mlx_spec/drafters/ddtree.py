@@ -40,6 +40,26 @@ def best_tree(log_probs: Sequence[Sequence[Tuple[int, float]]], budget: int):
     return tokens, parents, confidence
 
 
+def tree_from_logits(logits: mx.array, sampler, topk: int, budget: int) -> Draft:
+    """A budgeted tree from independent per-position logits [n, V] (a DFlash block, Medusa
+    heads). The marginals it is built from: the target's sampling settings (tempered and
+    filtered) when sampling, the plain softmax when greedy."""
+    if sampler.greedy:
+        log_q = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    else:
+        from ..sampling import log_probs
+
+        log_q = log_probs(logits, sampler.params)
+    topk = min(topk, log_q.shape[-1])
+    ids = mx.argpartition(-log_q, kth=topk - 1, axis=-1)[:, :topk]
+    values = mx.take_along_axis(log_q, ids, axis=-1)
+    candidates: List[List[Tuple[int, float]]] = [
+        sorted(((t, v) for t, v in zip(row_ids, row_values) if v > -np.inf), key=lambda c: -c[1])
+        for row_ids, row_values in zip(ids.tolist(), values.tolist())]
+    tokens, parents, confidence = best_tree(candidates, budget)
+    return Draft(tokens=tokens, parents=parents, confidence=confidence)
+
+
 class DDTreeDrafter(DFlashDrafter):
     tree = True
 
@@ -51,20 +71,4 @@ class DDTreeDrafter(DFlashDrafter):
         n = min(k, self.block_size - 1)
         if n <= 0:
             return Draft()
-        logits = self.block_logits(n)
-        # The marginals the tree is built from: the target's sampling settings (tempered and
-        # filtered) when sampling, the plain softmax when greedy.
-        if self.sampler.greedy:
-            log_q = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        else:
-            from ..sampling import log_probs
-
-            log_q = log_probs(logits, self.sampler.params)
-        topk = min(self.topk, log_q.shape[-1])
-        ids = mx.argpartition(-log_q, kth=topk - 1, axis=-1)[:, :topk]
-        values = mx.take_along_axis(log_q, ids, axis=-1)
-        candidates: List[List[Tuple[int, float]]] = [
-            sorted(((t, v) for t, v in zip(row_ids, row_values) if v > -np.inf), key=lambda c: -c[1])
-            for row_ids, row_values in zip(ids.tolist(), values.tolist())]
-        tokens, parents, confidence = best_tree(candidates, self.budget)
-        return Draft(tokens=tokens, parents=parents, confidence=confidence)
+        return tree_from_logits(self.block_logits(n), self.sampler, self.topk, self.budget)

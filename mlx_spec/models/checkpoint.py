@@ -35,7 +35,7 @@ def read_config(path, what: str) -> dict:
 KINDS = {
     "dflash": ("a DFlash drafter", ("dflash", "ddtree")),
     "eagle": ("an EAGLE-3 drafter", ("eagle",)),
-    "medusa": ("Medusa heads", ()),
+    "medusa": ("Medusa heads", ("medusa",)),
     "model": ("a language model", ("model", "mtp")),   # mtp: its MTP weights
 }
 
@@ -49,7 +49,7 @@ def checkpoint_kind(config: dict):
     if (config.get("speculators_model_type") or any("eagle" in a.lower() for a in architectures)
             or "eagle_aux_hidden_state_layer_ids" in config or "draft_vocab_size" in config):
         return "eagle"
-    if "medusa_num_heads" in config:
+    if "medusa_num_heads" in config or config.get("model_type") == "medusa":
         return "medusa"
     if "model_type" in config:
         return "model"
