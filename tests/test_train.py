@@ -4,15 +4,18 @@ loss, checkpoints load through the public loaders and draft losslessly, resume i
 import json
 import mlx.core as mx
 import numpy as np
+from mlx.utils import tree_map
 import pytest
 from tiny import plain_greedy, run, tiny_chat_model_dir, tiny_target
 
+from mlx_spec.drafters import make_drafter
 from mlx_spec.drafters.dflash import DFlashDrafter
 from mlx_spec.drafters.eagle import EagleDrafter
 from mlx_spec.engine import Engine
 from mlx_spec.errors import MlxSpecError
 from mlx_spec.models.dflash import DFlashModel, ModelArgs as DFlashArgs, load_dflash
 from mlx_spec.models.eagle3 import load_eagle3
+from mlx_spec.models.target import load_target
 from mlx_spec.sampling import SamplingParams
 from mlx_spec.train.dflash import (DFlashOptions, block_mask, block_sparse_forward, new_dflash_model,
                                    position_weights, sample_anchors, train_dflash)
@@ -165,6 +168,51 @@ def test_eagle_training_lowers_the_loss_and_drafts_losslessly(target, data, tmp_
     assert stats.accepted > 0          # it learned something of the target's answers
 
 
+def test_mtp_training_time_test_equals_chained_drafting(target):
+    """Depth j at row t of the MTP training graph = the j-th own step of a chain at row t."""
+    from mlx_spec.train.mtp import new_mtp_model, ttt_forward as mtp_ttt_forward
+
+    model = new_mtp_model(target)
+    model.update(tree_map(lambda p: p + 0.05 * mx.random.normal(p.shape, key=mx.random.key(2)), model.parameters()))
+    n, steps = 9, 3
+    tokens = mx.array(np.random.default_rng(1).integers(0, VOCAB, size=(1, n + steps)))
+    embeds = target.embed(tokens[:, 1:])
+    hidden = model.fuse(mx.random.normal((1, n, 32)))
+    outputs = mtp_ttt_forward(model, embeds, hidden, steps)
+    for t in (0, 4, n - 1):
+        cache = model.make_cache()
+        out = model(embeds[:, :t + 1], hidden[:, :t + 1], cache)[:, -1:]
+        assert mx.allclose(out[0, 0], outputs[0][0, t], atol=1e-4)
+        for j in range(1, steps):
+            out = model(embeds[:, t + j:t + j + 1], out, cache)
+            assert mx.allclose(out[0, 0], outputs[j][0, t], atol=1e-4), (t, j)
+
+
+@pytest.mark.parametrize("kind", ["mtp", "medusa"])
+def test_mtp_and_medusa_training_lower_the_loss_and_draft_losslessly(target, data, tmp_path, kind):
+    from mlx_spec.drafters.medusa import MedusaDrafter
+    from mlx_spec.models.medusa import load_medusa
+    from mlx_spec.models.mtp import load_mtp
+    from mlx_spec.train.medusa import MedusaOptions, train_medusa
+    from mlx_spec.train.mtp import MTPOptions, train_mtp
+
+    if kind == "mtp":
+        result = train_mtp(target, data, tmp_path / kind, MTPOptions(steps=40, batch_size=4, lr=3e-3, warmup=0,
+                                                                     ttt_steps=2, save_every=0), feature_dir=None)
+        drafter = EagleDrafter(load_mtp(tmp_path / kind, target), VOCAB)
+    else:
+        result = train_medusa(target, data, tmp_path / kind, MedusaOptions(steps=40, batch_size=4, lr=1e-2, warmup=0,
+                                                                           heads=3, rows_per_head=32, save_every=0),
+                              feature_dir=None)
+        drafter = MedusaDrafter(target, load_medusa(tmp_path / kind, target))
+    first, last = first_and_last(result.losses)
+    assert result.step == 40 and last < 0.7 * first, result.losses
+    prompt = json.loads((data / "train.jsonl").read_text().splitlines()[0])["prompt_tokens"]
+    tokens, stats = run(Engine(target, drafter, num_draft_tokens=3, adaptive=False), prompt, 24)
+    assert tokens == plain_greedy(target.model, prompt, 24)
+    assert stats.accepted > 0
+
+
 def test_dflash_training_lowers_the_loss_and_drafts_losslessly(target, data, tmp_path):
     options = DFlashOptions(steps=60, batch_size=2, lr=3e-3, warmup=0, layers=2, block_size=4,
                             target_layers=[0, 2], blocks_per_sequence=8, save_every=0)
@@ -273,6 +321,11 @@ def test_cli_trains_both_and_reports_bad_input_in_one_line(tmp_path):
     config = json.loads((tmp_path / "d" / "config.json").read_text())
     assert config["dflash_config"]["target_layer_ids"] == [0, 1]
     assert config["dflash_config"]["mask_token_id"] == 0        # SmolLM2's unk: <|endoftext|>
+
+    for kind, extra in (("mtp", ["--ttt-steps", "2"]), ("medusa", ["--heads", "2", "--rows-per-head", "8"])):
+        code, err = cli(kind, *common, "--out", str(tmp_path / kind), *extra)
+        assert code == 0 and "2 steps, last loss" in err, err
+        assert make_drafter(kind, load_target(model, "float32"), {"draft_model": str(tmp_path / kind)})
 
     code, err = cli("dflash", *common, "--out", str(tmp_path / "d"))
     assert code == 1 and err.count("\n") == 1 and "pass --resume" in err, err

@@ -55,7 +55,7 @@ def _int_list(ctx, param, value):
 
 
 def training_options(f):
-    """What `train eagle`, `train dflash` and `train mtp` share."""
+    """What every `train` command shares."""
     options = [
         click.option("--target", "model_path", default=None,
                      help="Target model directory (default: the embedded model)."),
@@ -66,9 +66,9 @@ def training_options(f):
         click.option("--steps", type=click.IntRange(1), default=2000, show_default=True,
                      help="Optimizer steps in all (a resumed run continues up to it)."),
         click.option("--batch-size", "--batch", type=click.IntRange(1), default=None,
-                     help="Sequences per step [eagle, mtp: 4; dflash: 2]."),
+                     help="Sequences per step [eagle, mtp, medusa: 4; dflash: 2]."),
         click.option("--lr", type=click.FloatRange(min=0, min_open=True), default=None,
-                     help="Peak AdamW learning rate [eagle, mtp: 3e-4; dflash: 6e-4]."),
+                     help="Peak AdamW learning rate [eagle, mtp: 3e-4; dflash: 6e-4; medusa: 1e-3]."),
         click.option("--warmup", type=click.IntRange(0), default=50, show_default=True,
                      help="Linear warmup steps, then cosine decay to lr/10."),
         click.option("--weight-decay", type=click.FloatRange(0), default=0.0, show_default=True,
@@ -220,3 +220,25 @@ def mtp(model_path, data_dir, out_dir, steps, batch_size, lr, warmup, weight_dec
                          save_every=save_every, seed=seed, save_dtype=save_dtype, init=init_dir,
                          max_minutes=max_minutes)
     _run_training("mtp", train_mtp, options, model_path, data_dir, out_dir, dtype, resume, feature_cache)
+
+
+@train.command("medusa", short_help="Train compact Medusa heads against the frozen target.")
+@training_options
+@click.option("--heads", type=click.IntRange(1), default=4, show_default=True,
+              help="Heads: head i drafts the token i + 2 positions after the last verified one.")
+@click.option("--layers", type=click.IntRange(0), default=1, show_default=True,
+              help="Residual blocks per head.")
+@click.option("--rows-per-head", type=click.IntRange(1), default=256, show_default=True,
+              help="Labelled positions per head and step (the target's output layer is the cost).")
+@reports_errors
+def medusa(model_path, data_dir, out_dir, steps, batch_size, lr, warmup, weight_decay, max_length, save_every,
+           resume, init_dir, max_minutes, seed, dtype, save_dtype, feature_cache, heads, layers, rows_per_head):
+    """Train compact Medusa heads (FasterDecoding's layout, sharing the target's output layer)
+    against a frozen target."""
+    from ..train.medusa import MedusaOptions, train_medusa
+
+    options = MedusaOptions(steps=steps, batch_size=batch_size or 4, lr=lr or 1e-3, warmup=warmup,
+                            weight_decay=weight_decay, heads=heads, layers=layers, rows_per_head=rows_per_head,
+                            max_length=max_length, save_every=save_every, seed=seed, save_dtype=save_dtype,
+                            init=init_dir, max_minutes=max_minutes)
+    _run_training("medusa", train_medusa, options, model_path, data_dir, out_dir, dtype, resume, feature_cache)
