@@ -97,6 +97,7 @@ class Engine:
             (lambda confidence: self.policy.worth_extending(confidence, len(confidence)))
             if stop_early and self.policy else None)
         self.cache = make_cache(target.model)
+        self.drafter.target_cache = self.cache
         if self.speculative:
             check_speculation(self.cache, target.model_type)
         if self.drafter.tree:
@@ -108,6 +109,7 @@ class Engine:
 
     def reset(self) -> None:
         self.cache = make_cache(self.target.model)
+        self.drafter.target_cache = self.cache
         self.cached_tokens = []
         self.replay = None
 
@@ -155,7 +157,8 @@ class Engine:
         start = len(context) - 1
         if draft.parents is None:
             self.replay = Replay(start) if self.recurrent else None
-            logits, taps = self.target.forward(inputs[None], self.cache, self.drafter.taps, replay=self.replay)
+            forward = self.drafter.verify_forward or self.target.forward
+            logits, taps = forward(inputs[None], self.cache, self.drafter.taps, replay=self.replay)
             verdict = verify_chain(logits[0], drafts, draft.q, self.sampler, len(context))
             mx.eval(verdict, drafts)
             (n_accepted, next_token), drafts = verdict.tolist(), drafts.tolist()

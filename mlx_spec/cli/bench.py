@@ -21,6 +21,8 @@ from .common import echo_err, reports_errors
               help="eagle: a tree of this many nodes (0: a chain); ddtree: the most nodes (0: 16).")
 @click.option("--tree-topk", type=click.IntRange(1, 64), default=None,
               help="eagle: children per expanded node [8]; ddtree: candidates per position [4].")
+@click.option("--exit-layer", type=int, default=None,
+              help="layerskip: the target's first E layers (then its norm and head) draft.")
 @click.option("--max-tokens", "-m", type=click.IntRange(1), default=128, show_default=True,
               help="Most tokens generated per prompt (and per turn).")
 @click.option("--repeats", type=click.IntRange(1), default=3, show_default=True,
@@ -41,7 +43,7 @@ from .common import echo_err, reports_errors
 @click.option("--plot", "plot_path", default=None, help="Write a PNG plot here (needs matplotlib).")
 @reports_errors
 def bench(model_path, dtype, prompts, categories, methods, draft_models, num_draft_tokens,
-          tree_budget, tree_topk, max_tokens, repeats, temp, top_p, seed, stop_early, adaptive, residual, json_path, markdown_path, plot_path):
+          tree_budget, tree_topk, exit_layer, max_tokens, repeats, temp, top_p, seed, stop_early, adaptive, residual, json_path, markdown_path, plot_path):
     """Time draft methods side by side with plain mlx_lm.stream_generate."""
     from .. import bench as harness
     from ..drafters import draft_tokens, make_drafter
@@ -78,7 +80,8 @@ def bench(model_path, dtype, prompts, categories, methods, draft_models, num_dra
     for name in names:
         lengths[name] = draft_tokens(name, num_draft_tokens)
         drafter = make_drafter(name, target, dict(draft_model=paths.get(name), num_draft_tokens=lengths[name],
-                                                  dtype=dtype, tree_budget=tree_budget, tree_topk=tree_topk))
+                                                  dtype=dtype, tree_budget=tree_budget, tree_topk=tree_topk,
+                                                  exit_layer=exit_layer))
         engines[name] = Engine(target, drafter, num_draft_tokens=lengths[name], sampling=sampling, seed=seed,
                                residual=residual, adaptive=adaptive, stop_early=stop_early)
     if not engines:
@@ -92,7 +95,7 @@ def bench(model_path, dtype, prompts, categories, methods, draft_models, num_dra
     meta = harness.machine_info(target, {name: paths.get(name) for name in names})
     meta.update(max_tokens=max_tokens, repeats=repeats, temp=temp, num_draft_tokens=lengths,
                 sampling_rule="residual" if residual else "seeded", adaptive=adaptive, stop_early=stop_early,
-                tree_budget=tree_budget, tree_topk=tree_topk)
+                tree_budget=tree_budget, tree_topk=tree_topk, exit_layer=exit_layer)
     click.echo(harness.render_table(rows))
     if json_path:
         harness.write_json(json_path, meta, rows, records)

@@ -42,6 +42,8 @@ def model_options(f):
         click.option("--tree-topk", type=click.IntRange(1, 64), default=None,
                      help="eagle: children per expanded node [8]; ddtree: candidates per position [4]. "
                           "--num-draft-tokens is the tree's depth."),
+        click.option("--exit-layer", type=int, default=None,
+                     help="layerskip: the target's first E layers (then its norm and head) draft."),
         click.option("--temp", type=float, default=0.0, show_default=True, help="Sampling temperature."),
         click.option("--top-p", type=float, default=1.0, show_default=True, help="Nucleus sampling."),
         click.option("--top-k", type=int, default=0, show_default=True, help="Top-k sampling (0: off)."),
@@ -72,7 +74,7 @@ def reports_errors(f):
 
 
 def load_engine(model_path, dtype, method, draft_model, num_draft_tokens, ngram_max, ngram_min,
-                tree_budget, tree_topk, temp, top_p, top_k, min_p, seed, residual, adaptive, stop_early):
+                tree_budget, tree_topk, exit_layer, temp, top_p, top_k, min_p, seed, residual, adaptive, stop_early):
     from ..drafters import draft_tokens, make_drafter
     from ..engine import Engine
     from ..models.target import load_target
@@ -87,7 +89,8 @@ def load_engine(model_path, dtype, method, draft_model, num_draft_tokens, ngram_
     sampling = SamplingParams(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p).check(target.vocab_size)
     drafter = make_drafter(method, target, dict(
         draft_model=draft_model, ngram_max=ngram_max, ngram_min=ngram_min,
-        num_draft_tokens=num_draft_tokens, dtype=dtype, tree_budget=tree_budget, tree_topk=tree_topk))
+        num_draft_tokens=num_draft_tokens, dtype=dtype, tree_budget=tree_budget, tree_topk=tree_topk,
+        exit_layer=exit_layer))
     return Engine(target, drafter, num_draft_tokens=num_draft_tokens, sampling=sampling, seed=seed,
                   residual=residual, adaptive=adaptive, stop_early=stop_early)
 

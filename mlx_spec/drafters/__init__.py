@@ -70,6 +70,15 @@ def _eagle(target, options):
     return EagleDrafter(model, target.vocab_size, tree_budget=options.get("tree_budget", 0), tree_topk=options.get("tree_topk") or 8)
 
 
+def _layerskip(target, options):
+    from .layerskip import LayerSkipDrafter
+
+    if options.get("exit_layer") is None:
+        raise MlxSpecError(f"--draft layerskip needs --exit-layer E (1..{target.num_layers - 1}): the layers "
+                           "that draft")
+    return LayerSkipDrafter(target, options["exit_layer"])
+
+
 def _medusa(target, options):
     from ..models.medusa import load_medusa
     from .medusa import MedusaDrafter
@@ -107,6 +116,7 @@ DRAFTERS = {
     "dflash": Source(_dflash, 8, "DFlash block drafter"),
     "ddtree": Source(_ddtree, 8, "a tree from one DFlash block's distributions"),
     "eagle": Source(_eagle, 4, "EAGLE-3 draft layer"),
+    "layerskip": Source(_layerskip, 4, "the target's first --exit-layer layers draft", uses_draft_model=False),
     "medusa": Source(_medusa, 4, "Medusa heads on the target's last hidden state"),
     "mtp": Source(_mtp, 3, "the target's multi-token-prediction module (DeepSeek, GLM, MiMo, Qwen3-Next)"),
 }

@@ -65,6 +65,11 @@ class Drafter:
     # drafts one position at a time may call it with its drafts' confidences so far (floats,
     # which costs a sync per draft) and stop when it returns False.
     keep_drafting: Optional[Callable[[List[float]], bool]] = None
+    # Drafters that run the target's own layers (LayerSkip): the engine sets target_cache to its
+    # KV cache, and verifies a chain with verify_forward (the target's forward's signature)
+    # instead of the target's forward, so that work done while drafting is not done twice.
+    target_cache = None
+    verify_forward: Optional[Callable] = None
 
     def chain_draws(self, k: int, first_draw, next_draw) -> "Draft":
         """A chain of up to k draws: first_draw(), then next_draw(previous draw) each time,
