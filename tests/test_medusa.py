@@ -155,3 +155,16 @@ def test_registry(target, tmp_path):
     assert isinstance(drafter, MedusaDrafter) and drafter.tree
     with pytest.raises(MlxSpecError, match="--draft-model"):
         make_drafter("medusa", target, {})
+
+
+def test_converted_and_quantized_heads_load(target, tmp_path):
+    from mlx_spec.convert.drafter import convert_drafter
+
+    source = write(tmp_path / "m", random_heads(64, 32), layout="whole-model")
+    out = convert_drafter(source, tmp_path / "q8", target, quantize=True, q_bits=8, q_group_size=32)
+    model = load_medusa(out, target)
+    assert "scales" in model.blocks[0][0].linear and "scales" in model.lm_heads[0]
+    floats = np.array(load_medusa(source, target)(mx.ones((1, 64)), HEADS))
+    assert np.abs(np.array(model(mx.ones((1, 64)), HEADS)) - floats).max() < 0.05 * np.abs(floats).max()
+    engine = Engine(target, MedusaDrafter(target, model), num_draft_tokens=3, adaptive=False)
+    assert run(engine, PROMPT, 20)[0] == plain_greedy(target.model, PROMPT, 20)

@@ -1,5 +1,6 @@
-"""`mlx-spec convert --drafter`: a published DFlash (z-lab) or EAGLE-3 (SafeAILab, speculators)
-checkpoint -> a directory the loaders read, cast to a dtype and optionally quantized.
+"""`mlx-spec convert --drafter`: a published DFlash (z-lab), EAGLE-3 (SafeAILab, speculators) or
+Medusa (FasterDecoding, vLLM) checkpoint -> a directory the loaders read, cast to a dtype and
+optionally quantized.
 
 The loaders read both published layouts directly, so the config and the weight names stay as
 published; what changes is the dtype and, with quantization, every linear layer (mlx-lm's
@@ -43,10 +44,10 @@ def convert_drafter(path, mlx_path, target, dtype: Optional[str] = None, quantiz
     mlx_path = check_output(mlx_path, overwrite)
     config = read_config(path, "drafter checkpoint")
     kind = checkpoint_kind(config)
-    if kind not in ("dflash", "eagle"):
+    if kind not in DRAFTER_KINDS:
         what = KINDS[kind][0] if kind else "no drafter mlx-spec knows"
         hint = "; convert a model with --hf-path" if kind == "model" else ""
-        raise MlxSpecError(f"{path} holds {what}: --drafter converts DFlash and EAGLE-3 checkpoints{hint}")
+        raise MlxSpecError(f"{path} holds {what}: --drafter converts DFlash, EAGLE-3 and Medusa checkpoints{hint}")
     load_drafter(kind, path, target)   # made for this target? (one line if not, before any work)
     weights = read_weights(path)
     if progress:
@@ -76,11 +77,26 @@ def convert_drafter(path, mlx_path, target, dtype: Optional[str] = None, quantiz
     return write_dir(mlx_path, fill, info)
 
 
-def load_drafter(kind: str, path, target):
-    if kind == "dflash":
-        from ..models.dflash import load_dflash
+def _load_dflash(path, target):
+    from ..models.dflash import load_dflash
 
-        return load_dflash(path, target)
+    return load_dflash(path, target)
+
+
+def _load_eagle3(path, target):
     from ..models.eagle3 import load_eagle3
 
     return load_eagle3(path, target)
+
+
+def _load_medusa(path, target):
+    from ..models.medusa import load_medusa
+
+    return load_medusa(path, target)
+
+
+DRAFTER_KINDS = {"dflash": _load_dflash, "eagle": _load_eagle3, "medusa": _load_medusa}
+
+
+def load_drafter(kind: str, path, target):
+    return DRAFTER_KINDS[kind](path, target)

@@ -24,7 +24,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..errors import MlxSpecError
-from .checkpoint import PICKLED, one_line, read_config
+from .checkpoint import PICKLED, one_line, quantize_as_stored, read_config
 
 WEIGHT_FILES = ("medusa_lm_head.safetensors", "model.safetensors")
 
@@ -85,12 +85,12 @@ class Model(nn.Module):
         L, out = self.args.num_layers, {}
         for name, w in weights.items():
             name = name[len("medusa_head."):] if name.startswith("medusa_head.") else name
-            m = re.fullmatch(r"(\d+)\.(\d+)\.(linear\.)?(weight|bias)", name)
+            m = re.fullmatch(r"(\d+)\.(\d+)\.(linear\.)?(weight|bias|scales|biases)", name)
             if m:
                 i, j, kind = int(m.group(1)), int(m.group(2)), m.group(4)
                 name = f"lm_heads.{i}.{kind}" if j == L and not m.group(3) else f"blocks.{i}.{j}.linear.{kind}"
             else:
-                m = re.fullmatch(r"blocks\.(\d+)\.layers\.(\d+)\.(weight|bias)", name)
+                m = re.fullmatch(r"blocks\.(\d+)\.layers\.(\d+)\.(weight|bias|scales|biases)", name)
                 if m:
                     name = f"blocks.{m.group(1)}.{m.group(2)}.linear.{m.group(3)}"
             out[name] = w
@@ -127,6 +127,9 @@ def load_medusa(path, target) -> Model:
         model = Model(args, target)
     block = weights.get("blocks.0.0.linear.weight")
     width = block.shape[1] if block is not None else args.hidden_size
+    bits = (config.get("quantization") or {}).get("bits")
+    if "blocks.0.0.linear.scales" in weights and bits:   # bits-wide values packed in uint32
+        width = width * 32 // bits
     if width != target.hidden_size or args.hidden_size != target.hidden_size:
         raise MlxSpecError(f"{path}: Medusa heads for hidden size {width}, the target's is {target.hidden_size}")
     head = weights.get("lm_heads.0.weight")
@@ -135,8 +138,9 @@ def load_medusa(path, target) -> Model:
         raise MlxSpecError(f"{path}: Medusa heads over {vocab} tokens, the target's vocabulary has "
                            f"{target.vocab_size}")
     try:
+        quantize_as_stored(model, config, weights)
         model.load_weights(list(weights.items()), strict=True)
-    except ValueError as e:
+    except (ValueError, KeyError) as e:
         raise MlxSpecError(f"cannot load Medusa heads from {path}: {one_line(e)}") from None
     model.set_dtype(target.embed(mx.array([0])).dtype)
     mx.eval(model.parameters())
