@@ -79,7 +79,7 @@ def test_bad_checkpoints_are_one_line(source, tmp_path, how, fragments):
 @pytest.mark.parametrize("args, fragment", [
     (["--mlx-path", "{tmp}/o"], "give one source"),
     (["--hf-path", "{tmp}", "--gguf", "{tmp}/x.gguf", "--mlx-path", "{tmp}/o"], "give one source"),
-    (["--gguf", "{tmp}/x.gguf", "--mlx-path", "{tmp}/o", "-q"], "-q is for --hf-path"),
+    (["--gguf", "{tmp}/x.gguf", "--mlx-path", "{tmp}/o", "-q"], "x.gguf"),
     (["--hf-path", "{tmp}/missing", "--mlx-path", "{tmp}/o"], "not found"),
 ])
 def test_bad_arguments_are_one_line(tmp_path, args, fragment):

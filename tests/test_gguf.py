@@ -324,6 +324,30 @@ def test_tiny_quantized_logits_match(tiny, tmp_path, qtype):
     np.testing.assert_allclose(logits(converted), want, atol=1e-3, rtol=1e-3)
 
 
+@pytest.mark.parametrize("bits", [8, 4])
+def test_requantized_instead_of_dequantized(tiny, tmp_path, bits):
+    """-q: tensors that would be stored dequantized (Q5_0 here, like the K-quants) become MLX
+    affine triples: the model is the file's, quantized by MLX (same logits as mlx-lm's own
+    quantization of the dequantized weights)."""
+    import mlx.nn as nn
+
+    model, _ = tiny
+    path = tmp_path / "tiny-Q5_0.gguf"
+    stored = write_with_gguf(path, gguf_tensors(model), gguf_metadata(), gguf.GGMLQuantizationType.Q5_0)
+    reference = model_from_gguf_tensors(tiny_model(model.args.vocab_size), stored)
+    nn.quantize(reference, group_size=32, bits=bits)
+    out = convert_gguf(path, tmp_path / "q", dtype="float32", quantize=True, q_bits=bits, q_group_size=32)
+    config = json.loads((out / "config.json").read_text())
+    assert config["quantization"]["bits"] == bits and config["quantization"]["group_size"] == 32
+    weights = mx.load(str(out / "model.safetensors"))
+    assert weights["model.layers.0.self_attn.q_proj.weight"].dtype == mx.uint32
+    assert weights["model.norm.weight"].dtype == mx.float32
+    converted, _ = mlx_lm.load(str(out))
+    np.testing.assert_allclose(logits(converted), logits(reference), atol=1e-3, rtol=1e-3)
+    info = json.loads((out / "mlx_spec_conversion.json").read_text())
+    assert info["requantized"] == {"bits": bits, "group_size": 32}
+
+
 def test_tiny_tokenizer(tiny, tmp_path):
     _, path = tiny
     out = convert_gguf(path, tmp_path / "out")

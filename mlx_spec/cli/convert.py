@@ -16,9 +16,9 @@ from .common import reports_errors
                    "architecture mlx-lm runs; converted by mlx-lm.")
 @click.option("--gguf", "gguf_path", default=None, type=click.Path(dir_okay=False, path_type=str),
               help="GGUF file to convert (llama architecture; Q4_0/Q4_1/Q8_0 stay packed, "
-                   "K-quants are dequantized).")
+                   "K-quants are dequantized, or re-quantized with -q).")
 @click.option("--drafter", "drafter_path", default=None, type=click.Path(path_type=str),
-              help="DFlash (z-lab) or EAGLE-3 (SafeAILab, speculators) checkpoint directory: cast "
+              help="DFlash (z-lab), EAGLE-3 (SafeAILab, speculators) or Medusa checkpoint directory: cast "
                    "(--dtype) and/or quantized (-q), checked to load for --model.")
 @click.option("--model", "model_path", default=None,
               help="--drafter: the target it drafts for (default: the embedded model).")
@@ -30,7 +30,8 @@ from .common import reports_errors
                    "quantization, group size 32); otherwise cast (GGUF: dequantize) every weight to "
                    "this dtype (float32 is fastest on CPU).")
 @click.option("-q", "--quantize", is_flag=True,
-              help="--hf-path, --drafter: quantize the linear layers (mlx-lm's affine scheme).")
+              help="Quantize the linear layers (mlx-lm's affine scheme); --gguf: those the file "
+                   "does not keep packed (K-quants re-quantized instead of dequantized).")
 @click.option("--q-bits", type=click.Choice(["2", "3", "4", "5", "6", "8"]), default="4", show_default=True,
               help="Bits per weight with -q.")
 @click.option("--q-group-size", type=click.Choice(["32", "64", "128"]), default="64", show_default=True,
@@ -46,9 +47,6 @@ def convert(hf_path, gguf_path, drafter_path, model_path, mlx_path, dtype, quant
         raise click.UsageError("give one source: --hf-path DIR, --gguf FILE or --drafter DIR")
     if model_path is not None and drafter_path is None:
         raise click.UsageError("--model names the target of a --drafter")
-    if quantize and gguf_path is not None:
-        raise click.UsageError("-q is for --hf-path; a GGUF file's quantized tensors stay packed "
-                               "with --dtype keep")
     bar = None
 
     def progress(done: int, total: int, item: str = "") -> None:
@@ -79,7 +77,8 @@ def convert(hf_path, gguf_path, drafter_path, model_path, mlx_path, dtype, quant
         else:
             from mlx_spec.convert.gguf import convert_gguf
 
-            out = convert_gguf(gguf_path, mlx_path, dtype=dtype, overwrite=overwrite, progress=progress)
+            out = convert_gguf(gguf_path, mlx_path, dtype=dtype, quantize=quantize, q_bits=int(q_bits),
+                               q_group_size=int(q_group_size), overwrite=overwrite, progress=progress)
     finally:
         if bar is not None:
             bar.__exit__(None, None, None)

@@ -766,6 +766,9 @@ def convert_gguf(
     mlx_path,
     dtype: str = "keep",
     *,
+    quantize: bool = False,
+    q_bits: int = 4,
+    q_group_size: int = 64,
     overwrite: bool = False,
     progress: Optional[ProgressFn] = None,
 ) -> Path:
@@ -776,6 +779,9 @@ def convert_gguf(
     as stored (llama.cpp's norms are float32), and stores other quantized types (K-quants,
     Q5_0, IQ*, ...) dequantized to float16; "float32" / "float16" / "bfloat16" dequantize
     everything to that dtype (float32 is what runs fast on the MLX CPU backend).
+    quantize: re-quantize every weight matrix that does not stay packed (K-quants and the other
+    types the gguf package dequantizes, float matrices) to MLX's affine q_bits / q_group_size,
+    instead of storing it dequantized; Q4_0/Q4_1/Q8_0 tensors kept packed stay as they are.
     overwrite: replace an existing non-empty `mlx_path` (default: refuse).
     progress: called as progress(done, total) after each tensor.
     """
@@ -812,6 +818,10 @@ def convert_gguf(
             # quantized in the file but not handed back packed: already dequantized
             dequantized = tensors.quantized(base) and not tensors.packed(base)
             out, q = _convert_tensor(parts, target, dequantized)
+            w = out.get("weight")
+            if quantize and q is None and w is not None and w.ndim == 2 and w.shape[-1] % q_group_size == 0:
+                out["weight"], out["scales"], out["biases"] = mx.quantize(w, group_size=q_group_size, bits=q_bits)
+                q = {"group_size": q_group_size, "bits": q_bits}
             for k, v in out.items():
                 weights[f"{module}.{k}"] = v
             if q is not None:
@@ -840,6 +850,7 @@ def convert_gguf(
         "source": str(gguf_path.resolve()),
         "source_size": gguf_path.stat().st_size,
         "dtype": dtype,
+        "requantized": {"bits": q_bits, "group_size": q_group_size} if quantize else None,
         "reader": tensors.reader,
         "gguf_architecture": arch,
         "gguf_name": md.get("general.name"),
