@@ -458,6 +458,17 @@ def test_truncated(tiny, tmp_path, keep_bytes):
     assert not (tmp_path / "out").exists()
 
 
+def test_unsupported_version(tiny, tmp_path):
+    _, src = tiny
+    data = bytearray(src.read_bytes())
+    data[4:8] = (1).to_bytes(4, "little")      # GGUF v1: the gguf package reads v2 and v3
+    path = tmp_path / "v1.gguf"
+    path.write_bytes(bytes(data))
+    with pytest.raises(MlxSpecError) as e:
+        convert_gguf(path, tmp_path / "out")
+    assert "version 1" in one_line_error(e, path)
+
+
 def test_unsupported_architecture(tmp_path):
     path = tmp_path / "gpt2.gguf"
     write_with_mlx(path, {"token_embd.weight": np.zeros((8, 4), np.float32)},

@@ -11,8 +11,8 @@ What is written into the target directory:
 - ``mlx_spec_conversion.json``: where the weights came from (source file, dtype, converter
   version), so a cached conversion can be checked.
 
-Reading: the GGUF header (metadata, tensor table) is parsed here, which also checks that every
-tensor lies inside the file. When all tensors are F32 / F16 / Q4_0 / Q4_1 / Q8_0, ``mx.load``
+Reading: the GGUF header (metadata, tensor table) is read with the gguf package's reader; each
+tensor is checked to lie inside the file. When all tensors are F32 / F16 / Q4_0 / Q4_1 / Q8_0, ``mx.load``
 reads them, the quantized ones as MLX affine triples (``.weight`` uint32, ``.scales``,
 ``.biases``; group size 32). Any other type (K-quants such as Q4_K / Q6_K, Q5_0, BF16, IQ*)
 makes the whole file go through ``gguf.quants.dequantize`` instead. Note: mx.load (MLX 0.32)
@@ -27,9 +27,7 @@ alike).
 from __future__ import annotations
 
 import json
-import os
 import re
-import struct
 from collections import Counter
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -131,17 +129,6 @@ ProgressFn = Callable[[int, int], None]
 # Reading
 # --------------------------------------------------------------------------------------------
 
-# GGUF value types -> struct format (strings and arrays handled apart)
-_SCALAR_FORMATS = {
-    0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
-    10: "<Q", 11: "<q", 12: "<d",
-}
-_NUMPY_TYPES = {
-    0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.int32,
-    6: np.float32, 7: np.bool_, 10: np.uint64, 11: np.int64, 12: np.float64,
-}
-_STRING, _ARRAY = 8, 9
-
 # ggml tensor types by number, with (values per block, bytes per block)
 _F32, _F16, _Q4_0, _Q4_1, _Q8_0, _BF16, _F64 = 0, 1, 2, 3, 8, 30, 28
 _FLOAT_TYPES = {_F32, _F16, _BF16, _F64}
@@ -183,118 +170,32 @@ def _check_file(path: Path) -> None:
         raise MlxSpecError(f"not a GGUF file (bad magic number): {path}")
 
 
-class _Truncated(Exception):
-    pass
-
-
-class _HeaderParser:
-    """Reads a GGUF header from `buf`, the first bytes of a file of `size` bytes: _Truncated
-    when `buf` ends too early (read more), ValueError when the file itself cannot hold it."""
-
-    def __init__(self, buf: bytes, size: int):
-        self.buf, self.size, self.pos = buf, size, 0
-
-    def take(self, n: int):
-        end = self.pos + n
-        if end > self.size:
-            raise ValueError("metadata extends past the end of the file")
-        if end > len(self.buf):
-            raise _Truncated
-        out = self.buf[self.pos : end]
-        self.pos = end
-        return out
-
-    def scalar(self, fmt: str):
-        n = struct.calcsize(fmt)
-        (v,) = struct.unpack_from(fmt, self.take(n))
-        return v
-
-    def string(self) -> str:
-        n = self.scalar("<Q")
-        return bytes(self.take(n)).decode("utf-8", errors="replace")
-
-    def value(self, vtype: int):
-        if vtype in _SCALAR_FORMATS:
-            return self.scalar(_SCALAR_FORMATS[vtype])
-        if vtype == _STRING:
-            return self.string()
-        if vtype == _ARRAY:
-            sub, count = self.scalar("<I"), self.scalar("<Q")
-            if sub in _NUMPY_TYPES:
-                dt = np.dtype(_NUMPY_TYPES[sub])
-                data = self.take(count * dt.itemsize)
-                return np.frombuffer(data, dtype=dt.newbyteorder("<")).tolist()
-            if count > self.size:
-                raise ValueError("metadata extends past the end of the file")
-            return [self.value(sub) for _ in range(count)]
-        raise ValueError(f"unknown metadata value type {vtype}")
-
-
-def _parse_header(buf: bytes, size: int, path: Path):
-    p = _HeaderParser(buf, size)
-    try:
-        p.take(4)
-        version = p.scalar("<I")
-        if version not in (2, 3):
-            raise MlxSpecError(f"unsupported GGUF version {version}: {path}")
-        n_tensors, n_kv = p.scalar("<Q"), p.scalar("<Q")
-        if n_tensors > size or n_kv > size:
-            raise MlxSpecError(f"corrupt GGUF file (bad counts): {path}")
-        metadata: Dict[str, Any] = {}
-        for _ in range(n_kv):
-            key = p.string()
-            metadata[key] = p.value(p.scalar("<I"))
-        raw_infos = []
-        for _ in range(n_tensors):
-            name = p.string()
-            n_dims = p.scalar("<I")
-            if n_dims > 8:
-                raise ValueError(f"tensor {name} has {n_dims} dimensions")
-            dims = [p.scalar("<Q") for _ in range(n_dims)]
-            qtype, offset = p.scalar("<I"), p.scalar("<Q")
-            raw_infos.append((name, tuple(reversed(dims)), qtype, offset))
-    except (ValueError, struct.error) as e:
-        raise MlxSpecError(f"truncated or corrupt GGUF file ({_one_line(e)}): {path}") from None
-    align = metadata.get("general.alignment", 32)
-    align = int(align) if isinstance(align, int) and align > 0 else 32
-    data_start = -(-p.pos // align) * align
-    return metadata, raw_infos, data_start
-
-
 def _read_header(path: Path) -> Tuple[Dict[str, Any], List[_TensorInfo]]:
-    """Metadata and tensor table of a GGUF file (v2/v3), every tensor checked to lie inside
-    the file. Reads only the header."""
+    """Metadata and tensor table of a GGUF file (v2/v3), read with the gguf package's reader
+    (a memory map: only the header is read), every tensor checked to lie inside the file."""
     import gguf
 
     _check_file(path)
-    chunk = 1 << 24
     try:
-        with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            while True:  # the header is read whole; grow the read until it fits
-                f.seek(0)
-                buf = f.read(min(chunk, size))
-                try:
-                    metadata, raw_infos, data_start = _parse_header(buf, size, path)
-                    break
-                except _Truncated:
-                    if len(buf) >= size:
-                        raise MlxSpecError(
-                            f"truncated or corrupt GGUF file (header): {path}"
-                        ) from None
-                    chunk *= 4
+        size = path.stat().st_size
+        reader = gguf.GGUFReader(str(path), "r")
+        metadata = {key: field.contents() for key, field in reader.fields.items() if not key.startswith("GGUF.")}
+        tables = [(t.name, tuple(reversed([int(d) for d in t.shape])), int(t.tensor_type), int(t.data_offset))
+                  for t in reader.tensors]
     except OSError as e:
         raise MlxSpecError(f"cannot read {path}: {e.strerror or e}") from None
-
+    except (ValueError, TypeError, KeyError, IndexError, OverflowError, UnicodeDecodeError) as e:
+        # the reader's own words: a version other than 2 and 3, a table past the end, ...
+        raise MlxSpecError(f"truncated or corrupt GGUF file ({_one_line(e)}): {path}") from None
     infos = []
-    for name, shape, qtype, offset in raw_infos:
+    for name, shape, qtype, offset in tables:
         if qtype not in gguf.GGML_QUANT_SIZES:
             raise MlxSpecError(f"unknown GGUF tensor type {qtype} for {name}: {path}")
         block, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
         n = int(np.prod(shape, dtype=np.int64)) if shape else 1
         if shape and shape[-1] % block:
             raise MlxSpecError(f"corrupt GGUF file {path}: tensor {name} has a partial block")
-        info = _TensorInfo(name, shape, qtype, data_start + offset, n // block * block_bytes)
+        info = _TensorInfo(name, shape, qtype, offset, n // block * block_bytes)
         if info.offset + info.nbytes > size:
             raise MlxSpecError(
                 f"truncated GGUF file (tensor {name} extends past the end): {path}"
