@@ -25,6 +25,10 @@ BINS = 20               # calibration buckets over confidence in [0, 1]
 PROBE_FIRST, PROBE_MAX = 4, 64
 HOPELESS_PROBE = 256    # steps between probes when even perfect drafts would not pay,
 PROBE_SHARE = 0.02      # and more where a probe costs more than this share of the steps between
+# Weight of each outcome in alpha. Outcomes arrive only while drafting: a probe's success must
+# move alpha enough to resume drafting when the text turns predictable (a prompt copied, an
+# answer the drafter knows), not be averaged away with the misses of an earlier prompt.
+ALPHA_WEIGHT = 0.05
 
 
 class Calibration:
@@ -52,13 +56,14 @@ class Calibration:
 
 
 class DraftPolicy:
-    def __init__(self, margin: float = 1.02):
+    def __init__(self, margin: float = 1.02, alpha_weight: float = ALPHA_WEIGHT):
         # Seconds of a verification of width w, and of drafting K positions. Until measured, a
         # one-token step is the unit and drafting is free (so that it gets measured).
         self.verify_cost = LinearCost(prior_ratio=0.1)
         self.draft_cost = LinearCost(prior_ratio=1.0, unknown_scale=0.0, skip_first=False)
         self.calibration = Calibration()
         self.alpha = 0.5          # recent P(accepted | parent accepted), for decision 1
+        self.alpha_weight = alpha_weight   # of each new outcome in alpha
         self.margin = margin      # drafting must beat plain decoding by this factor
         self.skipped = 0          # plain steps in a row since the last draft
         self.probe_interval = PROBE_FIRST
@@ -131,7 +136,7 @@ class DraftPolicy:
             # record(). Decision 1 must still learn it, or it keeps drafting what this decision
             # keeps dropping: the best first draft's calibrated chance stands in for one.
             best = max(self.calibration(confidence[i]) for i in order if parents[i] == 0)
-            self.alpha = 0.95 * self.alpha + 0.05 * best
+            self._learn(best)
         return sorted(order[:best_n])
 
     def worth_extending(self, confidence: Sequence[float], drafted: int) -> bool:
@@ -141,6 +146,9 @@ class DraftPolicy:
         return len(self.select(confidence, range(len(confidence)), drafted)) == len(confidence)
 
     # --- what happened --------------------------------------------------------------------
+    def _learn(self, outcome: float) -> None:
+        self.alpha += self.alpha_weight * (outcome - self.alpha)
+
     def record(self, confidence, parents, verified: Sequence[int], path: Sequence[int]) -> None:
         """Outcomes of the verified drafts whose parent was accepted (or is the root)."""
         accepted = set(path)
@@ -149,4 +157,4 @@ class DraftPolicy:
             if parent < 0 or parent in accepted:
                 ok = i in accepted
                 self.calibration.record(confidence[i], ok)
-                self.alpha = 0.95 * self.alpha + 0.05 * ok
+                self._learn(ok)

@@ -101,6 +101,20 @@ def _chain_attention(q, keys, values, scale):
     return out.reshape(b, h, n, d)
 
 
+def chain_attention_step(attn, x: mx.array, keys: List[mx.array], values: List[mx.array], j: int) -> mx.array:
+    """Step j of a training-time test through a Llama-style attention (q/k/v/o projections,
+    rope): x [b, n, width], row t at position t + j. Appends the step's keys and values to the
+    chain's and returns the attention's output [b, n, H] (before the residual)."""
+    b, n, _ = x.shape
+    q = attn.q_proj(x).reshape(b, n, attn.n_heads, -1).transpose(0, 2, 1, 3)
+    k = attn.k_proj(x).reshape(b, n, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
+    v = attn.v_proj(x).reshape(b, n, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
+    keys.append(attn.rope(k, offset=j))
+    values.append(v)
+    out = _chain_attention(attn.rope(q, offset=j), keys, values, attn.scale)
+    return attn.o_proj(out.transpose(0, 2, 1, 3).reshape(b, n, -1))
+
+
 def ttt_forward(model: Model, embeds: mx.array, fused: mx.array, steps: int) -> List[mx.array]:
     """The layer's pre-norm outputs [b, n, H] of `steps` training-time-test steps.
 
@@ -115,13 +129,7 @@ def ttt_forward(model: Model, embeds: mx.array, fused: mx.array, steps: int) -> 
         normed = layer.hidden_norm(hidden)
         residual = normed if layer.norm_before_residual else hidden
         x = mx.concatenate([layer.input_layernorm(embeds[:, j:j + n]), normed], axis=-1)
-        q = attn.q_proj(x).reshape(b, n, attn.n_heads, -1).transpose(0, 2, 1, 3)
-        k = attn.k_proj(x).reshape(b, n, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
-        v = attn.v_proj(x).reshape(b, n, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
-        keys.append(attn.rope(k, offset=j))             # row t of step j sits at position t + j
-        values.append(v)
-        out = _chain_attention(attn.rope(q, offset=j), keys, values, attn.scale)
-        h = residual + attn.o_proj(out.transpose(0, 2, 1, 3).reshape(b, n, -1))
+        h = residual + chain_attention_step(attn, x, keys, values, j)
         hidden = h + layer.mlp(layer.post_attention_layernorm(h))
         outputs.append(hidden)
     return outputs

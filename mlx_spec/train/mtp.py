@@ -28,7 +28,7 @@ from mlx.utils import tree_flatten
 
 from ..errors import MlxSpecError
 from ..models.mtp import LAYOUTS, Model
-from .eagle import _chain_attention
+from .eagle import chain_attention_step
 from .loop import (FeatureStore, LoopOptions, TrainResult, batch_indices, cast_for_saving,
                    load_sequences, resume_step, run_loop, used_indices)
 
@@ -70,14 +70,7 @@ def ttt_forward(model: Model, embeds: mx.array, hidden: mx.array, steps: int) ->
         if j == 0:   # position 0's embedding is zeroed (models/mtp.py)
             e = mx.concatenate([mx.zeros_like(e[:, :1]), e[:, 1:]], axis=1)
         x = model.proj(mx.concatenate([model.embed_norm(e), model.hidden_norm(hidden)], axis=-1))
-        y = layer.input_layernorm(x)
-        q = attn.q_proj(y).reshape(b, n, attn.n_heads, -1).transpose(0, 2, 1, 3)
-        k = attn.k_proj(y).reshape(b, n, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
-        v = attn.v_proj(y).reshape(b, n, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
-        keys.append(attn.rope(k, offset=j))
-        values.append(v)
-        out = _chain_attention(attn.rope(q, offset=j), keys, values, attn.scale)
-        h = x + attn.o_proj(out.transpose(0, 2, 1, 3).reshape(b, n, -1))
+        h = x + chain_attention_step(attn, layer.input_layernorm(x), keys, values, j)
         hidden = h + layer.mlp(layer.post_attention_layernorm(h))
         outputs.append(hidden)
     return outputs
