@@ -98,9 +98,9 @@ HELDOUT = [json.loads(line) for line in
            (Path(__file__).resolve().parent.parent / "benchmarks" / "heldout_prompts.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.parametrize("method", ["eagle", "dflash"])
+@pytest.mark.parametrize("method", ["eagle", "dflash", "mtp", "medusa"])
 def test_shipped_drafter_is_used_by_default_and_is_lossless(target, method):
-    """`--draft eagle|dflash` without --draft-model on the default model: the trained drafter
+    """`--draft eagle|dflash|mtp|medusa` without --draft-model on the default model: the trained drafter
     that ships in the package, token-identical to mlx-lm, and it drafts tokens the target
     accepts (a random drafter's tokens per step stay at 1.0) on a held-out prompt."""
     path = SHIPPED_DRAFTERS / method
@@ -123,8 +123,11 @@ def test_no_shipped_drafter_for_another_model(target, tmp_path):
 
 @pytest.mark.parametrize("method,options", [("lookup", {}), ("model", {}), ("eagle", {}),
                                             ("eagle", {"tree_budget": 8, "tree_topk": 3}),
-                                            ("dflash", {}), ("ddtree", {})],
-                         ids=["lookup", "model", "eagle", "eagle-tree", "dflash", "ddtree"])
+                                            ("dflash", {}), ("ddtree", {}), ("mtp", {}), ("medusa", {}),
+                                            ("medusa", {"tree_budget": 8, "tree_topk": 3}),
+                                            ("layerskip", {"exit_layer": 20})],
+                         ids=["lookup", "model", "eagle", "eagle-tree", "dflash", "ddtree", "mtp", "medusa",
+                              "medusa-tree", "layerskip"])
 def test_seed_reproduces_sampled_text_whatever_the_source(target, method, options):
     """--seed S prints what --draft none --seed S prints, for every draft length."""
     params = SamplingParams(temp=0.8, top_p=0.9, top_k=50)
