@@ -64,6 +64,10 @@ class DraftPolicy:
         self.calibration = Calibration()
         self.alpha = 0.5          # recent P(accepted | parent accepted), for decision 1
         self.alpha_weight = alpha_weight   # of each new outcome in alpha
+        # The calibrated chance of the last drafted step's first draft: what the drafter thinks
+        # of the text right now. Decision 1 drafts on it too, so that one confident probe (an
+        # answer the drafter knows) resumes drafting at once instead of after many probes.
+        self.first_chance = 0.0
         self.margin = margin      # drafting must beat plain decoding by this factor
         self.skipped = 0          # plain steps in a row since the last draft
         self.probe_interval = PROBE_FIRST
@@ -77,9 +81,9 @@ class DraftPolicy:
             return 0
         plain = self.margin / max(self.verify_cost(1), 1e-9)
         best_k, best_rate = 0, plain
-        expected, reach = 1.0, 1.0
+        expected, reach, alpha = 1.0, 1.0, max(self.alpha, self.first_chance)
         for k in range(1, max_k + 1):
-            reach *= self.alpha
+            reach *= alpha
             expected += reach
             rate = expected / (self.draft_cost(k) + self.verify_cost(k + 1))
             if rate > best_rate:
@@ -121,6 +125,8 @@ class DraftPolicy:
         """Indices of the drafts to verify (ancestors before descendants, in order). While
         probing, at least the most likely one, so that the calibration keeps learning."""
         reach = self.reach(confidence, parents)
+        if reach:
+            self.first_chance = max(reach[i] for i in range(len(reach)) if parents[i] == 0)
         order = sorted(range(len(reach)), key=lambda i: (-reach[i], i))
         drafting = self.draft_cost(drafted)   # already spent, whatever is verified
         best_n, best_rate, expected = 0, 1.0 / (drafting + self.verify_cost(1)), 1.0
@@ -135,8 +141,7 @@ class DraftPolicy:
             # Nothing worth verifying: the step's drafting was wasted, and no outcome reaches
             # record(). Decision 1 must still learn it, or it keeps drafting what this decision
             # keeps dropping: the best first draft's calibrated chance stands in for one.
-            best = max(self.calibration(confidence[i]) for i in order if parents[i] == 0)
-            self._learn(best)
+            self._learn(self.first_chance)
         return sorted(order[:best_n])
 
     def worth_extending(self, confidence: Sequence[float], drafted: int) -> bool:

@@ -140,7 +140,10 @@ def test_engine_drafts_what_pays(useful):
     if useful:
         assert stats.tokens_per_step > 4 and engine.policy.draft_length(6) == 6
     else:
-        assert stats.accepted == 0 and stats.plain_steps > 0.85 * stats.steps and stats.proposed < 0.15 * stats.steps
+        # Its confidence (0.9) is a lie: the steps until the calibration has learned that cost
+        # some drafting, then plain steps and rare probes.
+        assert stats.accepted == 0 and stats.plain_steps > 0.85 * stats.steps and stats.proposed < 0.2 * stats.steps
+        assert engine.policy.calibration(0.9) < 0.2
 
 
 def test_a_drafter_as_slow_as_the_target_is_left_alone():
@@ -180,3 +183,18 @@ def test_drafts_never_worth_verifying_stop_being_drafted():
         if k:
             assert policy.select([0.05] * k, list(range(k)), k) == ([] if not policy.probing else [0])
     assert sum(lengths[-100:]) <= 3   # plain steps, but for rare probes
+
+
+def test_a_confident_draft_resumes_drafting_at_once():
+    """After a run of rejected low-confidence drafts, one draft the drafter is sure of (and
+    whose confidence the calibration trusts) is enough to draft again at the next step, instead
+    of waiting for alpha to climb back probe by probe."""
+    policy = cpu_like_policy()
+    teach(policy, accepted=True, confidence=0.95, n=30)     # confident drafts are right
+    teach(policy, accepted=False, confidence=0.05, n=60)    # unsure ones are not, for a while
+    policy.first_chance = 0.0
+    assert policy.draft_length(6) == 0
+    policy.select([0.05], [0], drafted=1)                  # another unsure draft
+    assert policy.draft_length(6) == 0
+    policy.select([0.95], [0], drafted=1)                  # a sure one
+    assert policy.draft_length(6) >= 3
