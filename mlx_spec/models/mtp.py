@@ -8,7 +8,9 @@ Position t of the module's cache holds the pair (token t+1, target hidden at t),
 EAGLE-3 layer's does, so drafters/eagle.py drafts with either. Deeper drafts feed the module
 its own output (vLLM's MTP proposer does the same).
 
-Layouts, told apart by weight names (each as vLLM reads it; see LAYOUTS):
+Layouts, told apart by weight names (each as vLLM 0.33.0 reads it: deepseek_mtp.py lines
+113-144 and 226-235, glm4_moe_mtp.py 106-128 and 181-191, mimo_mtp.py 67-88, qwen3_next_mtp.py
+118-162 and qwen3_5_mtp.py 146-191; tests/test_mtp.py transcribes those forwards):
 - DeepSeek-V3 / GLM-4.5 (and the default model's module, trained here): `model.layers.{N+i}.`
   {enorm, hnorm, eh_proj, shared_head.norm, shared_head.head, the decoder layer}, N =
   num_hidden_layers, `num_nextn_predict_layers` of them; [embedding ; hidden]; the output is
@@ -21,7 +23,10 @@ Layouts, told apart by weight names (each as vLLM reads it; see LAYOUTS):
   (zero-centred), as the target's do.
 
 The hidden state handed over is the target's last-layer output after its final norm, as the
-target's forward returns it in vLLM. Embeddings and a shared_head.head equal to the target's
+target's forward returns it in vLLM (deepseek_v2.py 1589, qwen3_next.py 739); MiMo's module reads
+it before the norm (mimo.py 87). What a deeper draft is fed: DeepSeek/GLM the pre-norm output
+(glm4_moe_mtp.py 128; vLLM 0.33.0's DeepSeek model now feeds the normed one back, older vLLM the
+pre-norm one, which is what the module trained here learned), MiMo and Qwen3-Next the normed one. Embeddings and a shared_head.head equal to the target's
 are not loaded twice: the target's embedding is always used, and the target's output layer
 where the checkpoint has no head of its own. Where a checkpoint has several modules, the first
 drafts at every depth (the others are not loaded)."""
