@@ -116,7 +116,7 @@ def test_heads_that_copy_the_target_are_accepted(tmp_path):
     assert stats.accepted > 15
 
 
-@pytest.mark.parametrize("tree_budget", [0, 6], ids=["chain", "tree"])
+@pytest.mark.parametrize("tree_budget", [6], ids=["tree"])   # chains draw as DFlash's do (tested there)
 def test_exact_sampling(tmp_path, tree_budget):
     target, prompt, params = tiny_target(vocab_size=VOCAB, scale=2.0, seed=4), repeated_prompt(), SamplingParams(temp=1.0)
     model = load_medusa(write(tmp_path / "m", random_heads(64, VOCAB, seed=2)), target)

@@ -194,7 +194,9 @@ def test_greedy_is_token_identical(tmp_path, arch, k):
     assert run(engine, more, 12)[0] == plain_greedy(target.model, more, 12)
 
 
-@pytest.mark.parametrize("arch", ["llama", "mimo", "qwen3_next"])   # the three layouts
+# One layout (the one shipped): what decides exactness is the verification, which every layout
+# shares (a hybrid's replay is sampled exactly in test_exactness); 20,000 draws cost a minute.
+@pytest.mark.parametrize("arch", ["llama"])
 def test_exact_sampling(tmp_path, arch):
     path, target, _, _ = write_published(tmp_path, arch, seed=2, vocab_size=VOCAB, scale=2.0)
     prompt, params = repeated_prompt(), SamplingParams(temp=1.0)
