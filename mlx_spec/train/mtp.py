@@ -28,7 +28,7 @@ from mlx.utils import tree_flatten
 
 from ..errors import MlxSpecError
 from ..models.mtp import LAYOUTS, Model
-from .eagle import chain_attention_step
+from .eagle import chain_attention_step, make_eagle_batch
 from .loop import (FeatureStore, LoopOptions, TrainResult, batch_indices, cast_for_saving,
                    load_sequences, resume_step, run_loop, used_indices)
 
@@ -92,28 +92,19 @@ def mtp_loss(model: Model, embeds, hidden, rows, labels, step_weights):
 
 
 def make_mtp_batch(target, model: Model, store: FeatureStore, sequences, steps: int):
-    """(embeds, normed hidden, rows, labels) for the sequences, right-padded."""
-    b = len(sequences)
-    n = max(len(s.tokens) for s in sequences) - 1
-    tokens = np.zeros((b, n + steps + 1), np.int64)
-    features, rows, labels = [], [[] for _ in range(steps)], [[] for _ in range(steps)]
-    for i, seq in enumerate(sequences):
-        T = len(seq.tokens)
-        tokens[i, :T] = seq.tokens
-        f = store.get(seq)[:T - 1]
-        features.append(mx.pad(f, [(0, n - (T - 1)), (0, 0)]) if T - 1 < n else f)
-        for j in range(steps):
-            for t in range(n):
-                where = t + 2 + j                        # the label's position in the sequence
-                if seq.prompt_length <= where <= T - 1:
-                    rows[j].append(i * n + t)
-                    labels[j].append(seq.tokens[where])
-    if not rows[0]:
-        rows = [[0]] * steps   # a batch without responses: a harmless row (cannot happen with real data)
-        labels = [[int(tokens[0, 2])]] * steps
-    embeds = target.embed(mx.array(tokens[:, 1:n + steps])).astype(mx.float32)
-    hidden = model.fuse(mx.stack(features)).astype(mx.float32)
-    return (embeds, hidden, [mx.array(r) for r in rows], [mx.array(l) for l in labels])
+    """(embeds, normed hidden, rows, labels): EAGLE-3's batch (train/eagle.py) over the whole
+    vocabulary, with each step's labelled rows gathered (flat indices into b * n)."""
+    embeds, features, labels, weights = make_eagle_batch(target, model, store, sequences, steps,
+                                                          np.arange(target.vocab_size))
+    labels, weights = np.array(labels).reshape(steps, -1), np.array(weights).reshape(steps, -1)
+    rows = [np.flatnonzero(w) for w in weights]
+    if not len(rows[0]):   # a batch without responses: a harmless row (cannot happen with real data)
+        first = sequences[0].tokens
+        rows, labels = [np.array([0])] * steps, np.full((steps, 1), first[2] if len(first) > 2 else 0)
+    else:
+        labels = [labels[j][r] for j, r in enumerate(rows)]
+    return (embeds, model.fuse(features).astype(mx.float32), [mx.array(r) for r in rows],
+            [mx.array(l) for l in labels])
 
 
 def save_mtp(model: Model, target, path, dtype: str = "float32") -> Path:
