@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from ..errors import MlxSpecError
-from ..models.checkpoint import check_not_pickled, one_line, read_config
+from ..models.checkpoint import check_not_pickled, one_line, read_config, safetensors_header
 from .output import check_output, write_dir
 
 QUANT_BITS = (2, 3, 4, 5, 6, 8)
@@ -51,15 +51,12 @@ def check_hf_dir(path: Path) -> dict:
 def _check_safetensors(f: Path) -> None:
     """A header that parses and tensors that end inside the file (a cut-off download)."""
     try:
-        with open(f, "rb") as handle:
-            size = int.from_bytes(handle.read(8), "little")
-            header = json.loads(handle.read(size))
-        end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+        header, start = safetensors_header(f)
+        end = start + max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
     except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError):
         raise MlxSpecError(f"{f} is not a safetensors file") from None
-    if 8 + size + end > f.stat().st_size:
-        raise MlxSpecError(f"{f} is truncated: its tensors need {8 + size + end} bytes, the file has "
-                           f"{f.stat().st_size}")
+    if end > f.stat().st_size:
+        raise MlxSpecError(f"{f} is truncated: its tensors need {end} bytes, the file has {f.stat().st_size}")
 
 
 def convert_hf(hf_path, mlx_path, quantize: bool = False, q_bits: int = 4, q_group_size: int = 64,

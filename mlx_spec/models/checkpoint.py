@@ -74,6 +74,21 @@ def check_not_pickled(path) -> None:
                            "never pickles (convert them with a tool you trust first)")
 
 
+def safetensors_header(path):
+    """(header, data start) of a safetensors file, read alone: the JSON header (tensor name ->
+    dtype, shape, data_offsets relative to the data start; and "__metadata__") and the byte
+    where tensor data starts. ValueError when the file cannot hold the header it announces."""
+    path = Path(path)
+    with open(path, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        if 8 + size > path.stat().st_size:
+            raise ValueError("header extends past the end of the file")
+        header = json.loads(f.read(size))
+    if not isinstance(header, dict):
+        raise ValueError("header is not a JSON object")
+    return header, 8 + size
+
+
 def quantize_as_stored(model, config: dict, weights: dict) -> None:
     """Where config.json carries mlx-lm's "quantization" ({group_size, bits}), make quantized
     the layers whose stored weights have scales (as mlx_lm.load does), before loading them."""

@@ -44,7 +44,7 @@ from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache
 
 from ..errors import MlxSpecError
-from .checkpoint import check_not_pickled, one_line, read_config
+from .checkpoint import check_not_pickled, one_line, read_config, safetensors_header
 
 
 @dataclass(frozen=True)
@@ -282,18 +282,9 @@ def has_mtp_weights(path, num_hidden_layers: int) -> bool:
         if index.is_file():
             return any(is_mtp_name(n, num_hidden_layers) for n in json.loads(index.read_text())["weight_map"])
         return any(is_mtp_name(n, num_hidden_layers) for f in path.glob("*.safetensors")
-                   for n in _safetensors_names(f))
+                   for n in safetensors_header(f)[0] if n != "__metadata__")
     except (OSError, ValueError, KeyError, TypeError):
         return False
-
-
-def _safetensors_names(path: Path) -> List[str]:
-    """The tensor names of a safetensors file, from its header alone."""
-    with open(path, "rb") as f:
-        size = int.from_bytes(f.read(8), "little")
-        if size > 100_000_000:
-            raise ValueError("implausible header")
-        return [k for k in json.loads(f.read(size)) if k != "__metadata__"]
 
 
 def find_mtp(target, draft_model=None) -> Path:
