@@ -3,8 +3,14 @@
 Per prompt turn and repeat, the baseline and then every method run on the same loaded weights,
 alternating, so drift hits all alike. Times are wall clock around each whole generation
 (prefill included, the same work for all). Speedup = a method's tok/s / the baseline's tok/s
-on the same prompts. At temperature 0 every output is also compared with the baseline's
-(lossless check)."""
+on the same prompts.
+
+At temperature > 0 the baseline draws each token by the engine's seeded rule (sampling.Sampler:
+argmax(log p + Gumbel noise keyed by (seed, position)), the distribution mlx-lm's own sampler
+draws from) through mlx-lm's `sampler` argument, so that both write the same text: the timings
+then compare the same work (mlx-lm's categorical would write other texts, of other lengths).
+Every output is also compared with the baseline's (lossless check), at any temperature unless
+the residual rule is used (its tokens depend on the drafts)."""
 
 import json
 import os
@@ -19,6 +25,7 @@ from typing import Dict, List, Optional
 import mlx.core as mx
 
 from .errors import MlxSpecError
+from .sampling import Sampler
 
 
 @dataclass
@@ -36,7 +43,7 @@ class Record:
     accepted: int = 0
     baseline_tokens: int = 0
     baseline_seconds: float = 0.0
-    identical: Optional[bool] = None      # temp 0 only: token-identical to the baseline
+    identical: Optional[bool] = None      # token-identical to the baseline (None: not comparable)
     first_difference: Optional[int] = None
     tokens_per_step_histogram: Dict[int, int] = field(default_factory=dict)
 
@@ -94,10 +101,26 @@ def _first_difference(a, b) -> Optional[int]:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
+def seeded_sampler(rule: Sampler, first_position: int):
+    """mlx-lm's sampler interface (log-probabilities [1, V] -> token [1]) drawing by the seeded
+    rule, the first call at absolute position first_position."""
+    position = first_position - 1
+
+    def sample(logprobs):
+        nonlocal position
+        position += 1
+        return rule.choose(logprobs, [position])
+
+    return sample
+
+
 def run_baseline(target, prompt_tokens, max_tokens, sampler):
-    """Plain mlx-lm on the same weights: (tokens, text, seconds)."""
+    """Plain mlx-lm on the same weights: (tokens, text, seconds). sampler: mlx-lm's, or a
+    Sampler whose seeded rule is drawn with (seeded_sampler)."""
     from mlx_lm import stream_generate
 
+    if isinstance(sampler, Sampler):
+        sampler = seeded_sampler(sampler, len(prompt_tokens))
     tokens, pieces, eos = [], [], set(target.eos_token_ids)
     tic = time.perf_counter()
     for response in stream_generate(target.model, target.tokenizer, prompt_tokens,
@@ -127,11 +150,13 @@ def run_method(engine, prompt_tokens, max_tokens):
 
 
 def run_bench(target, engines: Dict[str, object], items, max_tokens, repeats, sampling, seed=0,
-              progress=None) -> List[Record]:
+              progress=None, residual=False) -> List[Record]:
     """Every turn of every item, `repeats` times: the baseline, then each method."""
     from mlx_lm.sample_utils import make_sampler
 
-    sampler = make_sampler(sampling.temp, sampling.top_p, sampling.min_p, top_k=sampling.top_k)
+    compared = sampling.greedy or not residual   # outputs that must equal the baseline's
+    sampler = (Sampler(sampling, seed) if compared and not sampling.greedy else
+               make_sampler(sampling.temp, sampling.top_p, sampling.min_p, top_k=sampling.top_k))
     tokenizer = target.tokenizer
     warmup = tokenizer.apply_chat_template([{"role": "user", "content": "Hello"}], add_generation_prompt=True)
     run_baseline(target, warmup, 8, sampler)
@@ -160,8 +185,8 @@ def run_bench(target, engines: Dict[str, object], items, max_tokens, repeats, sa
                         steps=stats.steps, plain_steps=stats.plain_steps, proposed=stats.proposed,
                         accepted=stats.accepted,
                         baseline_tokens=len(base_tokens), baseline_seconds=base_seconds,
-                        identical=(diff is None) if sampling.greedy else None,
-                        first_difference=diff if sampling.greedy else None,
+                        identical=(diff is None) if compared else None,
+                        first_difference=diff if compared else None,
                         tokens_per_step_histogram=dict(sorted(histogram.items()))))
                     if progress is not None:
                         progress(1)

@@ -33,23 +33,41 @@ ALPHA_WEIGHT = 0.05
 
 class Calibration:
     """P(accepted | the drafter's confidence), per confidence bucket, recent outcomes weighing
-    more; starts from the confidence itself. Drafts without a confidence share one bucket."""
+    more; starts from the confidence itself. Drafts without a confidence share one bucket.
 
-    def __init__(self, decay: float = 0.98, prior_weight: float = 2.0):
+    The buckets learn slowly (a few dozen outcomes each), over the whole session; a drafter's
+    reliability changes faster than that from one text to the next (sure and right on
+    arithmetic, as sure and mostly wrong on code). A trust factor follows it: the last few
+    outcomes against what the buckets predicted for them, which scales every bucket at once."""
+
+    def __init__(self, decay: float = 0.98, prior_weight: float = 2.0, trust_decay: float = 0.9,
+                 trust_prior: float = 1.0):
         centers = (np.arange(BINS) + 0.5) / BINS
         self.accepted = np.append(centers, 0.5) * prior_weight
         self.tried = np.full(BINS + 1, prior_weight)
         self.decay = decay
+        self.observed = self.predicted = 0.0    # recent outcomes, and the buckets' chances of them
+        self.trust_decay, self.trust_prior = trust_decay, trust_prior
 
     @staticmethod
     def bucket(confidence: Optional[float]) -> int:
         return BINS if confidence is None else min(int(confidence * BINS), BINS - 1)
 
-    def __call__(self, confidence: Optional[float]) -> float:
+    def bucket_chance(self, confidence: Optional[float]) -> float:
         b = self.bucket(confidence)
         return self.accepted[b] / self.tried[b]
 
+    @property
+    def trust(self) -> float:
+        return (self.observed + self.trust_prior) / (self.predicted + self.trust_prior)
+
+    def __call__(self, confidence: Optional[float]) -> float:
+        return min(1.0, self.bucket_chance(confidence) * self.trust)
+
     def record(self, confidence: Optional[float], accepted: bool) -> None:
+        d = self.trust_decay
+        self.observed = d * self.observed + accepted
+        self.predicted = d * self.predicted + self.bucket_chance(confidence)
         b = self.bucket(confidence)
         self.accepted[b] = self.decay * self.accepted[b] + accepted
         self.tried[b] = self.decay * self.tried[b] + 1

@@ -32,11 +32,15 @@ class DivergentEngine(Engine):
             yield event
 
 
-def test_lossless_counter_catches_a_divergent_method(tiny_dir):
+@pytest.mark.parametrize("temp", [0.0, 1.0])
+def test_lossless_counter_catches_a_divergent_method(tiny_dir, temp):
+    # At temperature 1 the baseline (mlx-lm's loop) draws by the seeded rule: the same text.
     target = load_target(tiny_dir, "float32")
-    engines = {"lookup": Engine(target, LookupDrafter()), "broken": DivergentEngine(target)}
+    sampling = SamplingParams(temp=temp)
+    engines = {"lookup": Engine(target, LookupDrafter(), sampling=sampling, seed=3),
+               "broken": DivergentEngine(target, sampling=sampling, seed=3)}
     items = bench.load_prompts(None, ["summarize", "code"])
-    records = bench.run_bench(target, engines, items, max_tokens=12, repeats=1, sampling=SamplingParams())
+    records = bench.run_bench(target, engines, items, max_tokens=12, repeats=1, sampling=sampling, seed=3)
     rows = {(r["method"], r["category"]): r for r in bench.summarize(records)}
     assert rows[("lookup", "all")]["identical"] == "4/4"
     assert rows[("broken", "all")]["identical"] == "0/4"

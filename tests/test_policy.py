@@ -198,3 +198,19 @@ def test_a_confident_draft_resumes_drafting_at_once():
     assert policy.draft_length(6) == 0
     policy.select([0.95], [0], drafted=1)                  # a sure one
     assert policy.draft_length(6) >= 3
+
+
+def test_the_calibration_follows_a_change_of_text_within_a_few_drafts():
+    """Sure and right for a long while (arithmetic), then as sure and mostly wrong (code): the
+    buckets alone would go on trusting the confidence for dozens of drafts; the trust factor
+    brings the chance down within ten, and back up when the drafts are right again."""
+    policy = DraftPolicy()
+    teach(policy, accepted=True, confidence=0.9, n=25)       # 100 outcomes
+    assert policy.calibration(0.9) > 0.85
+    for _ in range(10):
+        policy.record([0.9], [0], [0], [])
+    assert policy.calibration.bucket_chance(0.9) > 0.65      # the bucket still trusts it
+    assert policy.calibration(0.9) < 0.4
+    for _ in range(10):
+        policy.record([0.9], [0], [0], [0])
+    assert policy.calibration(0.9) > 0.7

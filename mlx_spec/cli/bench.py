@@ -90,7 +90,7 @@ def bench(model_path, dtype, prompts, categories, methods, draft_models, num_dra
     total = repeats * len(engines) * sum(len(item["turns"]) for item in items)
     with click.progressbar(length=total, label="bench", file=click.get_text_stream("stderr")) as bar:
         records = harness.run_bench(target, engines, items, max_tokens, repeats, sampling, seed,
-                                    progress=bar.update)
+                                    progress=bar.update, residual=residual)
     rows = harness.summarize(records)
     meta = harness.machine_info(target, {name: paths.get(name) for name in names})
     meta.update(max_tokens=max_tokens, repeats=repeats, temp=temp, num_draft_tokens=lengths,
