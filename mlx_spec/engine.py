@@ -215,6 +215,8 @@ class Engine:
         prompt = list(prompt)
         self._check(prompt, max_tokens)
         stats = Stats(prompt_tokens=len(prompt), seed=self.sampler.seed)
+        if self.policy:
+            self.policy.new_text()
         tic = time.perf_counter()
         stats.prompt_cached = self._prefill(prompt)
         stats.prompt_seconds = time.perf_counter() - tic

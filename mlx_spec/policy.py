@@ -64,6 +64,11 @@ class Calibration:
     def __call__(self, confidence: Optional[float]) -> float:
         return min(1.0, self.bucket_chance(confidence) * self.trust)
 
+    def new_text(self) -> None:
+        """A new prompt: what the last outcomes said of the drafter's reliability was about
+        another text."""
+        self.observed = self.predicted = 0.0
+
     def record(self, confidence: Optional[float], accepted: bool) -> None:
         d = self.trust_decay
         self.observed = d * self.observed + accepted
@@ -91,6 +96,13 @@ class DraftPolicy:
         self.probe_interval = PROBE_FIRST
         self.probing = False      # this step drafts to learn, not because it pays
         self.probe_seconds = 0.0  # what the last probe's drafting cost (a drafter may catch up then)
+
+    def new_text(self) -> None:
+        """Called at each new prompt (a generation, a chat turn): trust the calibration's long-run
+        estimates again and probe soon, since drafts that did not pay on the last text may pay
+        on this one (an answer after a chat, arithmetic after prose)."""
+        self.calibration.new_text()
+        self.skipped, self.probe_interval = 0, PROBE_FIRST
 
     # --- decision 1 ---------------------------------------------------------------------
     def draft_length(self, max_k: int) -> int:

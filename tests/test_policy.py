@@ -214,3 +214,18 @@ def test_the_calibration_follows_a_change_of_text_within_a_few_drafts():
     for _ in range(10):
         policy.record([0.9], [0], [0], [0])
     assert policy.calibration(0.9) > 0.7
+
+
+def test_a_new_prompt_trusts_the_calibration_again_and_probes_soon():
+    """Drafts failed on the last text (low trust, probes far apart): a new prompt may be one where
+    they pay, so the trust factor and the probe interval start over."""
+    policy = cpu_like_policy()
+    teach(policy, accepted=True, confidence=0.9, n=25)
+    for _ in range(10):
+        policy.record([0.9], [0], [0], [])
+    policy.first_chance, policy.alpha = 0.0, 0.0
+    lengths = [policy.draft_length(4) for _ in range(300)]
+    assert sum(lengths) <= 8 and policy.calibration(0.9) < 0.4
+    policy.new_text()
+    assert policy.calibration(0.9) == pytest.approx(policy.calibration.bucket_chance(0.9))
+    assert any(policy.draft_length(4) for _ in range(PROBE_FIRST))
