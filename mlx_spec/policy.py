@@ -100,9 +100,10 @@ class DraftPolicy:
     def new_text(self) -> None:
         """Called at each new prompt (a generation, a chat turn): trust the calibration's long-run
         estimates again and probe soon, since drafts that did not pay on the last text may pay
-        on this one (an answer after a chat, arithmetic after prose)."""
+        on this one (an answer after a chat, arithmetic after prose). One early probe, not the
+        whole schedule again: a useless drafter would pay the first probes at every prompt."""
         self.calibration.new_text()
-        self.skipped, self.probe_interval = 0, PROBE_FIRST
+        self.skipped = max(self.skipped, self.probe_interval - PROBE_FIRST)
 
     # --- decision 1 ---------------------------------------------------------------------
     def draft_length(self, max_k: int) -> int:
