@@ -144,7 +144,10 @@ class Engine:
         self.policy.record_drafting(drafted, time.perf_counter() - tic)
         confidence = draft.confidence.tolist() if isinstance(draft.confidence, mx.array) else draft.confidence
         kept = self.policy.select(confidence or [None] * len(draft), draft.parent_nodes, drafted)
-        return draft.subset(kept), kept
+        draft = draft.subset(kept)
+        if draft.parents == list(range(len(draft))):
+            draft.parents = None   # what is left of a tree is one chain (or nothing): verify it as one, cheaper
+        return draft, kept
 
     def _verify(self, context: List[int], draft):
         """One target pass over [last token] + drafts and the verdict, with one sync.
@@ -193,7 +196,7 @@ class Engine:
             self.policy.verify_cost.record(1 + len(drafts), time.perf_counter() - tic)
             self.policy.record(draft.confidence or [None] * len(drafts), draft.parent_nodes, range(len(drafts)), path)
         self.drafter.commit(len(path), next_token, taps,
-                            **({"path": [kept[i] for i in path]} if draft.parents is not None else {}))
+                            **({"path": [kept[i] for i in path]} if proposal.parents is not None else {}))
         return len(proposal), drafts, path, next_token
 
     def _prefill(self, context: List[int]) -> int:

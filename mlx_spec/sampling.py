@@ -108,6 +108,30 @@ class Sampler:
         noise = self.noise(positions, logits.shape[-1])
         return mx.argmax(log_probs(logits, self.params) + noise, axis=-1)
 
+    def _draft_log_probs(self, logits: mx.array) -> mx.array:
+        """A drafter's distribution at the target's sampling settings."""
+        params = self.params
+        if params.top_k >= logits.shape[-1]:   # a narrow draft head: top-k keeps it all
+            params = replace(params, top_k=0)
+        return log_probs(logits, params)
+
+    def tree_log_probs(self, logits: mx.array, positions: Sequence[int], vocab_size: int,
+                       ids: mx.array = None) -> mx.array:
+        """The normalized log-probabilities [n, w] a draft tree takes its top tokens from, for a
+        drafter's logits [n, w] at the given positions (ids as in draw). The default rule: the
+        target's token is the argmax of its log-probabilities plus the position's noise, so the
+        tree is the greedy tree of the drafter's log-probabilities plus the same noise (its top
+        child is the chain's draw). Greedy: the softmax; the residual rule (whose verifier does
+        not see the noise): the tempered, filtered distribution."""
+        if self.greedy:
+            return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        log_q = self._draft_log_probs(logits)
+        if not self.residual:
+            noise = self.noise(positions, vocab_size)
+            log_q = log_q + (noise[:, ids] if ids is not None else noise[:, :logits.shape[-1]])
+            log_q = log_q - mx.logsumexp(log_q, axis=-1, keepdims=True)
+        return log_q
+
     def draw(self, logits: mx.array, positions: Sequence[int], vocab_size: int, ids: mx.array = None):
         """A drafter's tokens [n] (target ids) from its logits [n, w] for the given
         positions; ids[j] is the target id of column j (None: column j is id j). Returns
@@ -118,10 +142,7 @@ class Sampler:
             tokens, q = mx.argmax(logits, axis=-1), None
             log_q = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         else:
-            params = self.params
-            if params.top_k >= logits.shape[-1]:   # a narrow draft head: top-k keeps it all
-                params = replace(params, top_k=0)
-            log_q = log_probs(logits, params)
+            log_q = self._draft_log_probs(logits)
             if self.residual:
                 tokens = mx.random.categorical(log_q, key=self.next_key("draft"))
                 q = mx.exp(log_q)

@@ -311,6 +311,33 @@ def test_tree_greedy_is_token_identical(target, checkpoints, budget, topk, k):
 
 
 
+def test_what_is_left_of_a_tree_as_one_chain_is_verified_as_a_chain(target, checkpoints, monkeypatch):
+    """Where the policy keeps one path of a tree (a probe, a text where only the best guesses
+    pay), the chain verifier runs: no tree mask, no cache compaction."""
+    from mlx_spec import engine as engine_module
+    from mlx_spec.policy import DraftPolicy
+
+    class BestPath(DraftPolicy):
+        def draft_length(self, max_k):
+            return max_k
+
+        def select(self, confidence, parents, drafted):
+            path, node = [], 0
+            while (children := [i for i, p in enumerate(parents) if p == node]):
+                path.append(children[0])
+                node = children[0] + 1
+            return path
+
+    def no_tree(*args, **kwargs):
+        raise AssertionError("a chain went through the tree verifier")
+
+    monkeypatch.setattr(engine_module, "tree_forward", no_tree)
+    drafter = EagleDrafter(load_eagle3(checkpoints["safeailab"], target), target.vocab_size, tree_budget=6, tree_topk=2)
+    tokens, stats = run(Engine(target, drafter, num_draft_tokens=3, policy=BestPath()), PROMPT, 40)
+    assert tokens == plain_greedy(target.model, PROMPT, 40)
+    assert stats.proposed > stats.steps and stats.accepted > 0
+
+
 @pytest.mark.parametrize("tree_budget", [0, 6], ids=["chain", "tree"])
 def test_one_token_prompt(target, checkpoints, tree_budget):
     """Nothing to prefill, so no feature yet: the first step is plain, then drafting starts."""

@@ -104,3 +104,25 @@ def test_stopping_early_changes_no_token(target, sources, source):
     tokens, stats = run(engine, prompt, MAX_TOKENS)
     assert tokens == plain
     assert False in answers and stats.drafted < 8 * stats.steps
+
+
+def test_a_sampled_tree_is_the_greedy_tree_of_the_noisy_drafter():
+    """Under the seeded rule the target picks argmax(log p + noise): a tree's best child at each
+    position is the chain's draw (the same noise), not the drafter's argmax, which the target
+    would pick only as often as p gives it."""
+    import mlx.core as mx
+    import numpy as np
+
+    from mlx_spec.sampling import Sampler
+
+    logits = mx.random.normal((64, 48), key=mx.random.key(0))
+    positions = list(range(100, 164))
+    sampler = Sampler(SETTINGS[1], seed=5)
+    tree = sampler.tree_log_probs(logits, positions, 48)
+    drawn, _, _ = sampler.draw(logits, positions, 48)
+    assert np.allclose(np.exp(np.array(tree)).sum(-1), 1, atol=1e-5)
+    assert mx.argmax(tree, axis=-1).tolist() == drawn.tolist()
+    assert mx.argmax(tree, axis=-1).tolist() != mx.argmax(logits, axis=-1).tolist()
+    # The residual rule's verifier does not see the noise: its tree is the drafter's distribution.
+    residual = Sampler(SETTINGS[1], seed=5, residual=True).tree_log_probs(logits, positions, 48)
+    assert mx.argmax(residual, axis=-1).tolist() == mx.argmax(logits, axis=-1).tolist()

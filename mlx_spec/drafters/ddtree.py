@@ -2,9 +2,10 @@
 next positions; the tree holds the token paths with the highest product of those probabilities
 (the expected accepted length of a tree is the sum over its nodes of that product, if the
 target agreed with the drafter's marginals), up to a node budget, then it is verified in one
-target pass like any tree. The drafts are the top tokens of each position (deterministic):
-the seeded rule's greedy walk and the residual rule's sibling rule with one-hot q (sampling
-without replacement) are both exact for them."""
+target pass like any tree. The drafts are the top tokens of each position (deterministic;
+when sampling by the seeded rule, of the drafter's distribution plus the position's noise, as
+the target picks: Sampler.tree_log_probs): the seeded rule's greedy walk and the residual
+rule's sibling rule with one-hot q (sampling without replacement) are both exact for them."""
 
 import heapq
 from typing import List, Sequence, Tuple
@@ -40,16 +41,11 @@ def best_tree(log_probs: Sequence[Sequence[Tuple[int, float]]], budget: int):
     return tokens, parents, confidence
 
 
-def tree_from_logits(logits: mx.array, sampler, topk: int, budget: int) -> Draft:
-    """A budgeted tree from independent per-position logits [n, V] (a DFlash block, Medusa
-    heads). The marginals it is built from: the target's sampling settings (tempered and
-    filtered) when sampling, the plain softmax when greedy."""
-    if sampler.greedy:
-        log_q = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-    else:
-        from ..sampling import log_probs
-
-        log_q = log_probs(logits, sampler.params)
+def tree_from_logits(logits: mx.array, positions: Sequence[int], sampler, vocab_size: int, topk: int,
+                     budget: int) -> Draft:
+    """A budgeted tree from independent logits [n, V] for the given positions (a DFlash block,
+    Medusa heads), built from Sampler.tree_log_probs."""
+    log_q = sampler.tree_log_probs(logits, positions, vocab_size)
     topk = min(topk, log_q.shape[-1])
     ids = mx.argpartition(-log_q, kth=topk - 1, axis=-1)[:, :topk]
     values = mx.take_along_axis(log_q, ids, axis=-1)
@@ -71,4 +67,5 @@ class DDTreeDrafter(DFlashDrafter):
         n = min(k, self.block_size - 1)
         if n <= 0:
             return Draft()
-        return tree_from_logits(self.block_logits(n), self.sampler, self.topk, self.budget)
+        return tree_from_logits(self.block_logits(n), range(self.position, self.position + n), self.sampler,
+                                self.target.vocab_size, self.topk, self.budget)

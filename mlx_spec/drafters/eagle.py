@@ -104,16 +104,17 @@ class EagleDrafter(Drafter):
     def _propose_tree(self, depth: int) -> Draft:
         """EAGLE-2's dynamic tree: grow `depth` levels, each time expanding the top-k frontier
         nodes (by cumulative log-probability) into their top-k children; keep the best
-        `tree_budget` nodes. Drafts are the top-k (deterministic: q is one-hot), so the tree
-        verifier's chain rule keeps sampling exact. One small sync per level."""
+        `tree_budget` nodes. Drafts are the top-k of Sampler.tree_log_probs (deterministic: q is
+        one-hot), so the tree verifier's chain rule keeps sampling exact. One small sync per level."""
         topk, offset = min(self.tree_topk, self.model.args.draft_vocab_size), len(self.paired)
         # pool entries: [draft-vocab id, parent pool index (-1: root), depth, score, cache slot]
         pool, slots = [], []
         hidden = self.last_hidden[0]                      # the hidden each frontier row continues
         rows = [-1]                                       # pool index of each row of `hidden`
         for level in range(1, depth + 1):
-            logp = self.model.logits(hidden)
-            logp = logp - mx.logsumexp(logp, axis=-1, keepdims=True)
+            # Every node of a level drafts the token at the same position.
+            logp = self.sampler.tree_log_probs(self.model.logits(hidden), [offset + level] * len(rows),
+                                               self.vocab_size, ids=self.target_ids)
             ids = mx.argpartition(-logp, kth=topk - 1, axis=-1)[:, :topk]
             values = mx.take_along_axis(logp, ids, axis=-1)
             ids, values = ids.tolist(), values.tolist()

@@ -36,10 +36,11 @@ class MedusaDrafter(Drafter):
         if n <= 0 or self.hidden is None:
             return Draft()
         logits = self.model(self.model.fuse(self.hidden), n)[:, 0]      # [n, V]
+        positions = range(self.position, self.position + n)
         if self.tree:
-            return tree_from_logits(logits, self.sampler, self.tree_topk, self.tree_budget)
-        tokens, q, confidence = self.sampler.draw(logits, range(self.position, self.position + n),
-                                                  self.target.vocab_size)
+            return tree_from_logits(logits, positions, self.sampler, self.target.vocab_size, self.tree_topk,
+                                    self.tree_budget)
+        tokens, q, confidence = self.sampler.draw(logits, positions, self.target.vocab_size)
         return Draft(tokens=tokens, q=q, confidence=confidence)
 
     def commit(self, n_accepted, next_token, taps, path=None):
