@@ -2,10 +2,13 @@
 
 `LinearCost` fits seconds(x) ~ a + b x by exponentially weighted least squares, so old steps
 fade and the fit follows the context as a chat grows (a verification of k tokens at 8k context
-does not cost what it cost at 200). When the widths seen so far do not spread enough to tell
-intercept from slope, a weak prior shape decides: y ~ (1 - r) + r x through the mean point
-(verification: r = 0.1, DESIGN.md's CPU figure of 11 tokens ~ 1.6x-2.4x one token; drafting:
-r = 1, cost proportional to the positions drafted)."""
+does not cost what it cost at 200). Each width fades only as that width is measured again:
+widths do not come evenly (most verifications are plain steps, most drafting is a one-draft
+probe), and a run of plain steps must not wash out what the last wide steps taught about the
+slope. When the widths seen so far do not spread enough to tell intercept from slope, a weak
+prior shape decides: y ~ (1 - r) + r x through the mean point (verification: r = 0.1,
+DESIGN.md's CPU figure of 11 tokens ~ 1.6x-2.4x one token; drafting: r = 1, cost proportional
+to the positions drafted)."""
 
 
 class LinearCost:
@@ -16,31 +19,38 @@ class LinearCost:
         first step of each width pays for warm-up (allocations, graph building): not typical."""
         self.r, self.decay, self.prior_weight = prior_ratio, decay, prior_weight
         self.unknown_scale, self.skip_first = unknown_scale, skip_first
-        self.s0 = self.s1 = self.s2 = self.t0 = self.t1 = 0.0
+        self.weight, self.seconds = {}, {}   # per width: decayed count and sum of seconds
         self.seen = set()
 
     def record(self, x: float, seconds: float) -> None:
         if self.skip_first and x not in self.seen:
             self.seen.add(x)
             return
-        d = self.decay
-        self.s0, self.s1, self.s2 = d * self.s0 + 1, d * self.s1 + x, d * self.s2 + x * x
-        self.t0, self.t1 = d * self.t0 + seconds, d * self.t1 + x * seconds
+        self.weight[x] = self.decay * self.weight.get(x, 0.0) + 1
+        self.seconds[x] = self.decay * self.seconds.get(x, 0.0) + seconds
+        self._fit()
 
     @property
     def known(self) -> bool:
-        return self.s0 > 0
+        return bool(self.weight)
+
+    def _fit(self) -> None:
+        widths = self.weight
+        s0, t0 = sum(widths.values()), sum(self.seconds.values())
+        s1, s2 = sum(v * n for v, n in widths.items()), sum(v * v * n for v, n in widths.items())
+        t1 = sum(v * y for v, y in self.seconds.items())
+        mean_x, mean_y = s1 / s0, t0 / s0
+        b0 = mean_y * self.r / ((1 - self.r) + self.r * mean_x)
+        lam = self.prior_weight * s0
+        # Minimize sum w (y - a - b x)^2 + lam (b - b0)^2: a 2x2 linear system.
+        det = s0 * (s2 + lam) - s1 * s1
+        # Wider never costs less (a negative slope is noise), and no width costs nothing: an
+        # extrapolated fit must not reach zero, where the policy's rates would be infinite.
+        self.b = max(0.0, (s0 * (t1 + lam * b0) - s1 * t0) / det)
+        self.a = (t0 - self.b * s1) / s0
+        self.floor = 0.1 * mean_y
 
     def __call__(self, x: float) -> float:
         if not self.known:
             return self.unknown_scale * ((1 - self.r) + self.r * x)
-        mx, my = self.s1 / self.s0, self.t0 / self.s0
-        b0 = my * self.r / ((1 - self.r) + self.r * mx)
-        lam = self.prior_weight * self.s0
-        # Minimize sum w (y - a - b x)^2 + lam (b - b0)^2: a 2x2 linear system.
-        det = self.s0 * (self.s2 + lam) - self.s1 * self.s1
-        # Wider never costs less (a negative slope is noise), and no width costs nothing: an
-        # extrapolated fit must not reach zero, where the policy's rates would be infinite.
-        b = max(0.0, (self.s0 * (self.t1 + lam * b0) - self.s1 * self.t0) / det)
-        a = (self.t0 - b * self.s1) / self.s0
-        return max(0.1 * my, a + b * x)
+        return max(self.floor, self.a + self.b * x)

@@ -40,6 +40,18 @@ def test_linear_cost_recovers_a_line_and_follows_change():
     assert abs(cost(5) - 9.0) < 0.05
 
 
+
+def test_a_run_of_one_width_keeps_what_wider_ones_taught():
+    """Most steps are plain (width 1): a long run of them must not wash the measured slope back
+    to the prior, or the policy underrates a wide verification after each run of plain steps."""
+    cost = LinearCost(prior_ratio=0.1)
+    for _ in range(40):
+        for w in (1, 2, 5):
+            cost.record(w, 1.0 + 0.3 * (w - 1))
+    for _ in range(300):
+        cost.record(1, 1.0)
+    assert abs(cost(2) - 1.3) < 0.03 and abs(cost(5) - 2.2) < 0.1   # the weak prior pulls a little
+
 def test_linear_cost_with_one_width_uses_the_prior_shape():
     cost = LinearCost(prior_ratio=0.1)
     for _ in range(4):
