@@ -109,11 +109,19 @@ class Sampler:
         return mx.argmax(log_probs(logits, self.params) + noise, axis=-1)
 
     def _draft_log_probs(self, logits: mx.array) -> mx.array:
-        """A drafter's distribution at the target's sampling settings."""
+        """A drafter's distribution: the softmax when greedy, else at the target's sampling
+        settings."""
+        if self.greedy:
+            return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         params = self.params
         if params.top_k >= logits.shape[-1]:   # a narrow draft head: top-k keeps it all
             params = replace(params, top_k=0)
         return log_probs(logits, params)
+
+    def _draft_noise(self, positions: Sequence[int], vocab_size: int, ids, width: int) -> mx.array:
+        """The target's noise at the positions, in a drafter's columns (ids as in draw)."""
+        noise = self.noise(positions, vocab_size)
+        return noise[:, ids] if ids is not None else noise[:, :width]
 
     def tree_log_probs(self, logits: mx.array, positions: Sequence[int], vocab_size: int,
                        ids: mx.array = None) -> mx.array:
@@ -123,14 +131,11 @@ class Sampler:
         tree is the greedy tree of the drafter's log-probabilities plus the same noise (its top
         child is the chain's draw). Greedy: the softmax; the residual rule (whose verifier does
         not see the noise): the tempered, filtered distribution."""
-        if self.greedy:
-            return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         log_q = self._draft_log_probs(logits)
-        if not self.residual:
-            noise = self.noise(positions, vocab_size)
-            log_q = log_q + (noise[:, ids] if ids is not None else noise[:, :logits.shape[-1]])
-            log_q = log_q - mx.logsumexp(log_q, axis=-1, keepdims=True)
-        return log_q
+        if self.greedy or self.residual:
+            return log_q
+        log_q = log_q + self._draft_noise(positions, vocab_size, ids, logits.shape[-1])
+        return log_q - mx.logsumexp(log_q, axis=-1, keepdims=True)
 
     def draw(self, logits: mx.array, positions: Sequence[int], vocab_size: int, ids: mx.array = None):
         """A drafter's tokens [n] (target ids) from its logits [n, w] for the given
@@ -138,22 +143,19 @@ class Sampler:
         (tokens, q, confidence): q [n, vocab_size] the distributions drawn from, only where
         verification needs them (the residual rule), else None; confidence [n] the drafter's
         probability of each token (at the sampling settings), for the draft-length policy."""
+        log_q = self._draft_log_probs(logits)
         if self.greedy:
             tokens, q = mx.argmax(logits, axis=-1), None
-            log_q = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        elif self.residual:
+            tokens = mx.random.categorical(log_q, key=self.next_key("draft"))
+            q = mx.exp(log_q)
+            if ids is not None:
+                q = mx.zeros((q.shape[0], vocab_size), q.dtype).at[:, ids].add(q)
+            elif q.shape[-1] < vocab_size:   # a draft head narrower than the target's
+                q = mx.pad(q, [(0, 0), (0, vocab_size - q.shape[-1])])
         else:
-            log_q = self._draft_log_probs(logits)
-            if self.residual:
-                tokens = mx.random.categorical(log_q, key=self.next_key("draft"))
-                q = mx.exp(log_q)
-                if ids is not None:
-                    q = mx.zeros((q.shape[0], vocab_size), q.dtype).at[:, ids].add(q)
-                elif q.shape[-1] < vocab_size:   # a draft head narrower than the target's
-                    q = mx.pad(q, [(0, 0), (0, vocab_size - q.shape[-1])])
-            else:
-                noise = self.noise(positions, vocab_size)
-                noise = noise[:, ids] if ids is not None else noise[:, :logits.shape[-1]]
-                tokens, q = mx.argmax(log_q + noise, axis=-1), None
+            noise = self._draft_noise(positions, vocab_size, ids, logits.shape[-1])
+            tokens, q = mx.argmax(log_q + noise, axis=-1), None
         confidence = mx.exp(mx.take_along_axis(log_q, tokens[:, None], axis=-1)[:, 0])
         if ids is not None:
             tokens = ids[tokens]
