@@ -1,7 +1,8 @@
 """Timing harness: draft methods side by side with plain `mlx_lm.stream_generate`.
 
-Per prompt turn and repeat, the baseline and then every method run on the same loaded weights,
-alternating, so drift hits all alike. Times are wall clock around each whole generation
+Per prompt turn and repeat, the baseline, every method, then the baseline again run on the same
+loaded weights, alternating, so drift hits all alike; a method's time is compared with the mean
+of the two baseline runs around it. Times are wall clock around each whole generation
 (prefill included, the same work for all). Speedup = a method's tok/s / the baseline's tok/s
 on the same prompts.
 
@@ -151,7 +152,7 @@ def run_method(engine, prompt_tokens, max_tokens):
 
 def run_bench(target, engines: Dict[str, object], items, max_tokens, repeats, sampling, seed=0,
               progress=None, residual=False) -> List[Record]:
-    """Every turn of every item, `repeats` times: the baseline, then each method."""
+    """Every turn of every item, `repeats` times: the baseline, each method, the baseline again."""
     from mlx_lm.sample_utils import make_sampler
 
     compared = sampling.greedy or not residual   # outputs that must equal the baseline's
@@ -173,11 +174,17 @@ def run_bench(target, engines: Dict[str, object], items, max_tokens, repeats, sa
                     histories[name].append({"role": "user", "content": user})
                     return tokenizer.apply_chat_template(histories[name], add_generation_prompt=True)
 
-                base_tokens, text, base_seconds = run_baseline(target, prompt_of("baseline"), max_tokens, sampler)
+                base_prompt = prompt_of("baseline")
+                base_tokens, text, base_seconds = run_baseline(target, base_prompt, max_tokens, sampler)
                 histories["baseline"].append({"role": "assistant", "content": text})
+                runs = {}
                 for name, engine in engines.items():
-                    tokens, text, seconds, stats, histogram = run_method(engine, prompt_of(name), max_tokens)
-                    histories[name].append({"role": "assistant", "content": text})
+                    runs[name] = run_method(engine, prompt_of(name), max_tokens)
+                    histories[name].append({"role": "assistant", "content": runs[name][1]})
+                # The baseline again after the methods: their speed is compared with the mean of
+                # the two, which cancels a linear drift and halves the noise of one timing.
+                base_seconds = (base_seconds + run_baseline(target, base_prompt, max_tokens, sampler)[2]) / 2
+                for name, (tokens, text, seconds, stats, histogram) in runs.items():
                     diff = _first_difference(tokens, base_tokens)
                     records.append(Record(
                         method=name, category=item["category"], question_id=item["question_id"],
