@@ -182,7 +182,7 @@ def run_bench(target, engines: Dict[str, object], items, max_tokens, repeats, sa
                     runs[name] = run_method(engine, prompt_of(name), max_tokens)
                     histories[name].append({"role": "assistant", "content": runs[name][1]})
                 # The baseline again after the methods: their speed is compared with the mean of
-                # the two, which cancels a linear drift and halves the noise of one timing.
+                # the two, which cancels a linear drift and halves the variance of one timing.
                 base_seconds = (base_seconds + run_baseline(target, base_prompt, max_tokens, sampler)[2]) / 2
                 for name, (tokens, text, seconds, stats, histogram) in runs.items():
                     diff = _first_difference(tokens, base_tokens)
