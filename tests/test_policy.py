@@ -85,6 +85,21 @@ def test_verify_cost_before_a_wide_step_is_measured():
     assert abs(cost(1) - 0.05) < 1e-9 and abs(cost(11) - 0.1) < 1e-9
 
 
+def test_verify_cost_of_wide_steps_before_a_plain_one():
+    """A policy drafts first, before it knows what a plain step costs (1 s, unmeasured): wide
+    steps then set every width's cost in seconds, not an excess over that guess (which made
+    every wide step look free, and a drafter accepted 7% of the time drafted at every step)."""
+    cost = VerifyCost(prior_ratio=0.1)
+    for _ in range(4):
+        cost.record(5, 0.07)
+    assert abs(cost(5) - 0.07) < 1e-9 and abs(cost(1) - 0.05) < 1e-9   # 0.07 = 0.05 (1 + 0.1 * 4)
+    for _ in range(3):
+        cost.record(1, 0.045)
+    for _ in range(3):
+        cost.record(5, 0.065)
+    assert abs(cost(1) - 0.045) < 1e-9 and abs(cost(5) - 0.065) < 1e-9
+
+
 def test_linear_cost_never_falls_to_zero():
     """Noisy timings that fall with the width (a busy machine) do not make wider look cheaper,
     nor any width free: the policy divides by these costs."""
