@@ -8,14 +8,7 @@ probe), and a run of plain steps must not wash out what the last wide steps taug
 slope. When the widths seen so far do not spread enough to tell intercept from slope, a weak
 prior shape decides: y ~ (1 - r) + r x through the mean point (verification: r = 0.1,
 DESIGN.md's CPU figure of 11 tokens ~ 1.6x-2.4x one token; drafting: r = 1, cost proportional
-to the positions drafted).
-
-`VerifyCost` is the verification's: a plain step (width 1) runs other kernels than a wider one
-(matrix-vector products, no mask), and costs less than a line through the wider widths says.
-On this CPU at 450 tokens of context: 49 ms for width 1, then 62, 69, 78 ms for widths 2, 3, 4:
-the first draft adds 12.5 ms, each later one ~8. A line through all of them puts the first
-draft at +6 ms, and the policy drafted at acceptance rates where drafting loses. So the plain
-step is measured on its own and the wider ones as a line in the drafts over it."""
+to the positions drafted)."""
 
 
 class LinearCost:
@@ -61,36 +54,3 @@ class LinearCost:
         if not self.known:
             return self.unknown_scale * ((1 - self.r) + self.r * x)
         return max(self.floor, self.a + self.b * x)
-
-
-class VerifyCost:
-    """Seconds of a verification of width w (1 + the drafts verified): the plain step's own
-    measure, plus for w > 1 a line in w - 1 fit to what wider steps cost over the plain one.
-    That excess barely moves with the context (12.5 ms at 450 tokens, 12.8 at 1500 here), so
-    wide steps measured long ago stay right while plain steps follow the context."""
-
-    def __init__(self, prior_ratio: float = 0.1, decay: float = 0.95, prior_weight: float = 0.5):
-        self.r = prior_ratio
-        self.plain = LinearCost(prior_ratio, decay, prior_weight)          # width 1 only
-        self.extra = LinearCost(1.0, decay, prior_weight, unknown_scale=0.0)
-        # Until a plain step is measured, an excess over it means nothing: wide steps fit one
-        # line through every width meanwhile (the prior shape says what a plain step costs).
-        self.first = LinearCost(prior_ratio, decay, prior_weight)
-
-    def record(self, width: int, seconds: float) -> None:
-        if width == 1:
-            self.plain.record(1, seconds)
-        elif self.plain.known:
-            self.extra.record(width - 1, seconds - self.plain(1))
-        else:
-            self.first.record(width, seconds)
-
-    def __call__(self, width: float) -> float:
-        if not self.plain.known:
-            return self.first(width)
-        plain = self.plain(1)
-        if width <= 1:
-            return plain
-        if not self.extra.known:   # the prior shape: each draft r of a plain step
-            return plain * (1 + self.r * (width - 1))
-        return plain + max(0.0, self.extra(width - 1))

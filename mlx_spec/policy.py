@@ -13,13 +13,13 @@ Each step has two decisions, both maximising expected committed tokens per secon
 
 Expected tokens of a step: 1 (the target's own token) + the sum over verified drafts of
 P(accepted path reaches it). Cost: drafting(K) + verification(1 + verified drafts), both fit
-on this machine while it runs (cost.py)."""
+on this machine while it runs (cost.LinearCost)."""
 
 from typing import List, Optional, Sequence
 
 import numpy as np
 
-from .cost import LinearCost, VerifyCost
+from .cost import LinearCost
 
 BINS = 20               # calibration buckets over confidence in [0, 1]
 PROBE_FIRST, PROBE_MAX = 4, 64
@@ -82,7 +82,7 @@ class DraftPolicy:
     def __init__(self, margin: float = 1.02, alpha_weight: float = ALPHA_WEIGHT):
         # Seconds of a verification of width w, and of drafting K positions. Until measured, a
         # one-token step is the unit and drafting is free (so that it gets measured).
-        self.verify_cost = VerifyCost(prior_ratio=0.1)
+        self.verify_cost = LinearCost(prior_ratio=0.1)
         self.draft_cost = LinearCost(prior_ratio=1.0, unknown_scale=0.0, skip_first=False)
         self.calibration = Calibration()
         self.alpha = 0.5          # recent P(accepted | parent accepted), for decision 1

@@ -4,7 +4,7 @@ when they always are, follows the measured costs, and never changes the output."
 import pytest
 from tiny import ScriptedDrafter, plain_greedy, run, tiny_target
 
-from mlx_spec.cost import LinearCost, VerifyCost
+from mlx_spec.cost import LinearCost
 from mlx_spec.drafters.base import Draft
 from mlx_spec.engine import Engine
 from mlx_spec.policy import PROBE_FIRST, DraftPolicy
@@ -57,47 +57,6 @@ def test_linear_cost_with_one_width_uses_the_prior_shape():
     for _ in range(4):
         cost.record(4, 1.3)
     assert abs(cost(4) - 1.3) < 1e-6 and abs(cost(1) - 1.0) < 1e-6   # 1.3 = 1 + 0.1 * 3
-
-
-def test_verify_cost_measures_the_plain_step_on_its_own():
-    """Widths as measured on this CPU at 450 tokens of context: the first draft adds more than
-    each later one. A line through every width puts width 2 only ~6 ms over width 1 (it raises
-    width 1 and lowers width 2), where the first draft costs 12.5 ms: the policy then drafts at
-    acceptance rates where drafting loses. Width 1 keeps following the context alone."""
-    measured = {1: 49.2, 2: 61.7, 3: 68.8, 4: 78.2, 6: 84.4, 9: 100.1}
-    cost, line = VerifyCost(), LinearCost(prior_ratio=0.1)
-    for _ in range(10):
-        for w, ms in measured.items():
-            cost.record(w, ms)
-            line.record(w, ms)
-    assert line(2) - line(1) < 7 and abs(cost(1) - 49.2) < 1e-6 and abs(cost(2) - 61.7) < 2
-    assert abs(cost(9) - 100.1) < 4
-    for _ in range(100):   # the context grew: plain steps cost more, and so does every width
-        cost.record(1, 59.3)
-    assert abs(cost(1) - 59.3) < 0.1 and cost(2) > 71
-
-
-def test_verify_cost_before_a_wide_step_is_measured():
-    cost = VerifyCost(prior_ratio=0.1)
-    assert cost(1) == 1.0 and abs(cost(3) - 1.2) < 1e-9
-    for _ in range(3):
-        cost.record(1, 0.05)
-    assert abs(cost(1) - 0.05) < 1e-9 and abs(cost(11) - 0.1) < 1e-9
-
-
-def test_verify_cost_of_wide_steps_before_a_plain_one():
-    """A policy drafts first, before it knows what a plain step costs (1 s, unmeasured): wide
-    steps then set every width's cost in seconds, not an excess over that guess (which made
-    every wide step look free, and a drafter accepted 7% of the time drafted at every step)."""
-    cost = VerifyCost(prior_ratio=0.1)
-    for _ in range(4):
-        cost.record(5, 0.07)
-    assert abs(cost(5) - 0.07) < 1e-9 and abs(cost(1) - 0.05) < 1e-9   # 0.07 = 0.05 (1 + 0.1 * 4)
-    for _ in range(3):
-        cost.record(1, 0.045)
-    for _ in range(3):
-        cost.record(5, 0.065)
-    assert abs(cost(1) - 0.045) < 1e-9 and abs(cost(5) - 0.065) < 1e-9
 
 
 def test_linear_cost_never_falls_to_zero():
