@@ -7,15 +7,14 @@ two runs gave 49 ms for width 1, then 58-62 (width 2), 67-69, 75-78, 81-84 (widt
 (width 9). A line through all of them underrates the first draft; measuring the plain step on
 its own was tried and made the policy draft less where drafting pays (see the README).
 
-    python benchmarks/verify_widths.py [--contexts 100 450 1500] [--runs 7]"""
+    python benchmarks/verify_widths.py [--contexts 100 450 1500] [--reps 3] [--runs 7]"""
 
 import argparse
-import statistics
-import time
 
 import mlx_spec  # noqa: F401  (loads OpenBLAS before mlx.core does any work)
 
 import mlx.core as mx
+from eagle_cost import interleaved_medians
 
 from mlx_spec.cache import make_cache, rollback_to
 from mlx_spec.models.default import default_model_path
@@ -27,26 +26,26 @@ WIDTHS = (1, 2, 3, 4, 6, 9)
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--contexts", type=int, nargs="+", default=[100, 450, 1500])
-    parser.add_argument("--runs", type=int, default=7, help="rounds over every width; the first is warm-up")
+    parser.add_argument("--reps", type=int, default=3, help="timed calls per round")
+    parser.add_argument("--runs", type=int, default=7, help="rounds over every width")
     args = parser.parse_args()
     target = load_target(default_model_path(), "auto")
     for context in args.contexts:
         cache = make_cache(target.model)
         target.forward(mx.random.randint(0, 1000, (1, context)), cache, ())
         mx.eval([c.state for c in cache])
-        seconds = {w: [] for w in WIDTHS}
-        for run in range(args.runs):
-            for w in WIDTHS:   # widths in alternation, so that load on the machine hits all alike
-                tokens = mx.random.randint(0, 1000, (1, w))
-                mx.eval(tokens)
-                tic = time.perf_counter()
+
+        def verification(width):
+            tokens = mx.random.randint(0, 1000, (1, width))
+
+            def step():
                 logits, _ = target.forward(tokens, cache, ())
-                mx.eval(logits)
-                if run:
-                    seconds[w].append(time.perf_counter() - tic)
-                rollback_to(cache, context, None)
-        print(f"context {context}: " + ", ".join(
-            f"width {w} {1000 * statistics.median(s):.1f} ms" for w, s in seconds.items()))
+                rollback_to(cache, context, None)  # lazy: the step reads what it wrote before the trim
+                return logits
+            return step
+
+        ms = interleaved_medians([verification(w) for w in WIDTHS], args.reps, args.runs)
+        print(f"context {context}: " + ", ".join(f"width {w} {t:.1f} ms" for w, t in zip(WIDTHS, ms)))
 
 
 if __name__ == "__main__":
