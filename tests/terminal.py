@@ -6,6 +6,7 @@ import os
 import pty
 import re
 import select
+import signal
 import struct
 import subprocess
 import termios
@@ -20,6 +21,9 @@ class Terminal:
         def own_terminal():  # a session of its own, with the pty as its controlling terminal
             os.setsid()
             fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+            # Ctrl-C as at a terminal, even when the suite runs where SIGINT is ignored (a
+            # shell's `cmd &` without job control), which the child would inherit.
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
 
         self.proc = subprocess.Popen(args, stdin=slave, stdout=slave, stderr=slave, preexec_fn=own_terminal,
                                      env=dict(os.environ, TERM="xterm", PYTHONUNBUFFERED="1"))

@@ -109,7 +109,9 @@ def test_chat_turns_reset_and_ctrl_c_keeps_the_conversation():
     stays in the history (and on screen); /reset empties the history."""
     proc = subprocess.Popen([sys.executable, "-m", "mlx_spec.cli", "chat", "--max-tokens", "400"],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+                            text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"),
+                            # SIGINT as at a terminal, also where the suite runs with it ignored
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     chars = []
     reader = threading.Thread(target=lambda: chars.extend(iter(lambda: proc.stdout.read(1), "")), daemon=True)
     reader.start()
