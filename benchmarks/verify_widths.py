@@ -1,11 +1,12 @@
 """Seconds of one verification pass of the default model by width (1 = a plain step, w = 1 +
-w - 1 drafts) at several context lengths: the curve the policy's verification cost fits with a
-line (cost.LinearCost).
+w - 1 drafts) at several context lengths: the curve the policy's verification cost follows
+(cost.LinearCost).
 
 On this 2-core CPU the first draft adds more than each later one: at 450 tokens of context,
 two runs gave 49 ms for width 1, then 58-62 (width 2), 67-69, 75-78, 81-84 (width 6), 97-100
-(width 9). A line through all of them underrates the first draft; measuring the plain step on
-its own was tried and made the policy draft less where drafting pays (see the README).
+(width 9). A line through all of them underrates the first draft, so the policy's
+verification cost measures the plain step on its own and fits the line to the wider ones
+(cost.LinearCost's plain_width).
 
     python benchmarks/verify_widths.py [--contexts 100 450 1500] [--reps 3] [--runs 7]"""
 

@@ -5,7 +5,8 @@ Each step has two decisions, both maximising expected committed tokens per secon
    drafting), from the recent acceptance rate and the measured costs of drafting and of
    verifying. While drafting does not pay, it still probes now and then (one draft, at growing
    intervals) so that it notices when drafts become good again, e.g. when the output starts
-   copying.
+   copying. A probe pays for the drafting; its draft is verified only where its confidence
+   says it may pay, judged optimistically where the calibration has seen little.
 2. After drafting, which drafts to verify: each draft comes with the drafter's own probability
    of it (its confidence), which a calibration learned online turns into a probability of
    acceptance; a draft is worth verifying for P(it and its ancestors are accepted). Chains keep
@@ -53,16 +54,18 @@ class Calibration:
     def bucket(confidence: Optional[float]) -> int:
         return BINS if confidence is None else min(int(confidence * BINS), BINS - 1)
 
-    def bucket_chance(self, confidence: Optional[float]) -> float:
+    def bucket_chance(self, confidence: Optional[float], optimistic: bool = False) -> float:
+        """optimistic: as if one more draft of that bucket had been accepted, which matters only
+        where the bucket has seen few outcomes (what a probe is for)."""
         b = self.bucket(confidence)
-        return self.accepted[b] / self.tried[b]
+        return (self.accepted[b] + optimistic) / (self.tried[b] + optimistic)
 
     @property
     def trust(self) -> float:
         return (self.observed + self.trust_prior) / (self.predicted + self.trust_prior)
 
-    def __call__(self, confidence: Optional[float]) -> float:
-        return min(1.0, self.bucket_chance(confidence) * self.trust)
+    def __call__(self, confidence: Optional[float], optimistic: bool = False) -> float:
+        return min(1.0, self.bucket_chance(confidence, optimistic) * self.trust)
 
     def new_text(self) -> None:
         """A new prompt: what the last outcomes said of the drafter's reliability was about
@@ -82,7 +85,7 @@ class DraftPolicy:
     def __init__(self, margin: float = 1.02, alpha_weight: float = ALPHA_WEIGHT):
         # Seconds of a verification of width w, and of drafting K positions. Until measured, a
         # one-token step is the unit and drafting is free (so that it gets measured).
-        self.verify_cost = LinearCost(prior_ratio=0.1)
+        self.verify_cost = LinearCost(prior_ratio=0.1, plain_width=1)
         self.draft_cost = LinearCost(prior_ratio=1.0, unknown_scale=0.0, skip_first=False)
         self.calibration = Calibration()
         self.alpha = 0.5          # recent P(accepted | parent accepted), for decision 1
@@ -144,25 +147,28 @@ class DraftPolicy:
         return all((k + 1) / (self.draft_cost(k) + self.verify_cost(k + 1)) <= plain for k in range(1, max_k + 1))
 
     # --- decision 2 ---------------------------------------------------------------------
-    def reach(self, confidence: Sequence[Optional[float]], parents: Sequence[int]) -> List[float]:
+    def reach(self, confidence: Sequence[Optional[float]], parents: Sequence[int],
+              optimistic: bool = False) -> List[float]:
         """P(the accepted path reaches draft i), drafts in breadth-first order; parents[i] = 0
         for the root, j + 1 for draft j."""
         reach = []
         for conf, parent in zip(confidence, parents):
-            reach.append(self.calibration(conf) * (reach[parent - 1] if parent else 1.0))
+            reach.append(self.calibration(conf, optimistic) * (reach[parent - 1] if parent else 1.0))
         return reach
 
     def select(self, confidence: Sequence[Optional[float]], parents: Sequence[int], drafted: int) -> List[int]:
-        """Indices of the drafts to verify (ancestors before descendants, in order). While
-        probing, at least the most likely one, so that the calibration keeps learning."""
+        """Indices of the drafts to verify (ancestors before descendants, in order). A probe's
+        draft is judged as if its confidence bucket had one more success: a bucket that has
+        seen few outcomes gets verified (and learns), one that knows its drafts fail does not
+        (verifying a draft the drafter itself gives 1% costs a wider pass for nothing)."""
         reach = self.reach(confidence, parents)
         if reach:
             self.first_chance = max(reach[i] for i in range(len(reach)) if parents[i] == 0)
+        if self.probing:
+            reach = self.reach(confidence, parents, optimistic=True)
         order = sorted(range(len(reach)), key=lambda i: (-reach[i], i))
         drafting = self.draft_cost(drafted)   # already spent, whatever is verified
         best_n, best_rate, expected = 0, 1.0 / (drafting + self.verify_cost(1)), 1.0
-        if self.probing:
-            best_n, best_rate = 1, 0.0
         for n, i in enumerate(order, start=1):
             expected += reach[i]
             rate = expected / (drafting + self.verify_cost(n + 1))

@@ -52,6 +52,27 @@ def test_a_run_of_one_width_keeps_what_wider_ones_taught():
         cost.record(1, 1.0)
     assert abs(cost(2) - 1.3) < 0.03 and abs(cost(5) - 2.2) < 0.1   # the weak prior pulls a little
 
+def test_the_plain_width_is_measured_on_its_own():
+    """On the CPU the first draft of a step adds more than each later one: a line through
+    every width would put it too cheap (here 1.21 instead of 1.25). With plain_width, width 1
+    is its own measurement and the line fits the wider ones; before any wider one is measured
+    they follow the prior shape through the plain step."""
+    cost = LinearCost(prior_ratio=0.1, plain_width=1)
+    cost.record(1, 1.0)   # the first of each width is warm-up, skipped
+    for _ in range(3):
+        cost.record(1, 1.0)
+    assert cost(1) == pytest.approx(1.0) and cost(3) == pytest.approx(1.2)
+    for _ in range(10):
+        for w in (1, 2, 4, 9):
+            cost.record(w, 1.0 if w == 1 else 1.25 + 0.15 * (w - 2))
+    assert cost(1) == pytest.approx(1.0) and abs(cost(2) - 1.25) < 0.02 and abs(cost(9) - 2.3) < 0.03
+    line = LinearCost(prior_ratio=0.1)
+    for _ in range(10):
+        for w in (1, 2, 4, 9):
+            line.record(w, 1.0 if w == 1 else 1.25 + 0.15 * (w - 2))
+    assert line(2) < 1.22
+
+
 def test_linear_cost_with_one_width_uses_the_prior_shape():
     cost = LinearCost(prior_ratio=0.1)
     for _ in range(4):
@@ -184,7 +205,8 @@ def test_costly_probes_come_rarely():
 
 def test_drafts_never_worth_verifying_stop_being_drafted():
     """A drafter whose confident-looking drafts the calibration knows to fail: the selection
-    drops them, and the draft length follows (it used to keep drafting what was dropped)."""
+    drops them, even a probe's (the calibration has nothing left to learn there), and the draft
+    length follows (it used to keep drafting what was dropped)."""
     policy = cpu_like_policy()
     for _ in range(100):
         policy.calibration.record(0.05, False)
@@ -193,8 +215,22 @@ def test_drafts_never_worth_verifying_stop_being_drafted():
         k = policy.draft_length(4)
         lengths.append(k)
         if k:
-            assert policy.select([0.05] * k, list(range(k)), k) == ([] if not policy.probing else [0])
+            assert policy.select([0.05] * k, list(range(k)), k) == []
     assert sum(lengths[-100:]) <= 3   # plain steps, but for rare probes
+
+
+def test_a_probe_verifies_where_the_calibration_knows_little():
+    """A probe's draft of a confidence never seen verified is verified (so the calibration
+    learns it), though the same draft outside a probe is not worth it; once its bucket has
+    seen enough failures, probes stop verifying it too."""
+    policy = cpu_like_policy()
+    policy.probing = False
+    assert policy.select([0.02], [0], 1) == []
+    policy.probing = True
+    assert policy.select([0.02], [0], 1) == [0]
+    for _ in range(12):
+        policy.record([0.02], [0], [0], [])
+    assert policy.select([0.02], [0], 1) == []
 
 
 def test_a_confident_draft_resumes_drafting_at_once():
