@@ -28,6 +28,7 @@ class LinearCost:
         self.weight, self.seconds = {}, {}   # per width: decayed count and sum of seconds
         self.seen = set()
         self.plain_width = plain_width
+        self.line = False   # a line is fitted (some width other than plain_width is measured)
 
     def record(self, x: float, seconds: float) -> None:
         if self.skip_first and x not in self.seen:
@@ -36,10 +37,6 @@ class LinearCost:
         self.weight[x] = self.decay * self.weight.get(x, 0.0) + 1
         self.seconds[x] = self.decay * self.seconds.get(x, 0.0) + seconds
         self._fit()
-
-    @property
-    def known(self) -> bool:
-        return bool(self.weight)
 
     def _mean(self, x: float) -> float:
         return self.seconds[x] / self.weight[x]
@@ -67,7 +64,7 @@ class LinearCost:
         plain = self._mean(self.plain_width) if self.plain_width in self.weight else None
         if x == self.plain_width and plain is not None:
             return plain
-        if not self.known or not self.line:
+        if not self.line:
             # Nothing (or only the plain width) measured: the prior shape, through what is.
             scale = self.unknown_scale if plain is None else plain / ((1 - self.r) + self.r * self.plain_width)
             return scale * ((1 - self.r) + self.r * x)
