@@ -8,7 +8,7 @@ import mlx_spec  # noqa: F401  (first: it loads OpenBLAS only if mlx.core is not
 import mlx.core as mx
 import numpy as np
 import pytest
-from exactness import VOCAB, chi_square_pvalue, draw, exact_distribution, repeated_prompt
+from exactness import STRICT, VOCAB, repeated_prompt, sampling_pvalue
 from tiny import plain_greedy, run, tiny_target
 
 from mlx_spec.cache import rollback_to
@@ -269,9 +269,8 @@ def test_sampled_output_is_exact(tmp_path):
     params = SamplingParams(temp=1.0, top_k=10)   # q is filtered as p is
     prompt = repeated_prompt()
     engine = Engine(target, DFlashDrafter(target, model), num_draft_tokens=3, sampling=params, adaptive=False)
-    counts = draw(engine, prompt, 3, 20_000)
-    pvalue = chi_square_pvalue(counts, exact_distribution(target, prompt, 3, params), 20_000)
-    assert pvalue > 1e-3, f"p = {pvalue:.2e}"
+    pvalue = sampling_pvalue(engine, prompt, params)
+    assert pvalue > STRICT, f"p = {pvalue:.2e}"
 
 
 # --- mismatches and bad files: one-line errors ---------------------------------------------------
