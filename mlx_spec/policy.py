@@ -4,9 +4,11 @@ Each step has two decisions, both maximising expected committed tokens per secon
 1. Before drafting, how many positions to draft (K, 0 = a plain step that pays nothing for
    drafting), from the recent acceptance rate and the measured costs of drafting and of
    verifying. While drafting does not pay, it still probes now and then (one draft, at growing
-   intervals) so that it notices when drafts become good again, e.g. when the output starts
-   copying. A probe pays for the drafting; its draft is verified only where its confidence
-   says it may pay, judged optimistically where the calibration has seen little.
+   intervals, back to short ones only once a draft is accepted) so that it notices when drafts
+   become good again, e.g. when the output starts copying. Where only the last drafted step's
+   confidence says drafting pays, it resumes with one draft and doubles while that holds. A
+   probe pays for the drafting; its draft is verified only where its confidence says it may
+   pay, judged optimistically where the calibration has seen little.
 2. After drafting, which drafts to verify: each draft comes with the drafter's own probability
    of it (its confidence), which a calibration learned online turns into a probability of
    acceptance; a draft is worth verifying for P(it and its ancestors are accepted). Chains keep
@@ -96,6 +98,9 @@ class DraftPolicy:
         self.first_chance = 0.0
         self.margin = margin      # drafting must beat plain decoding by this factor
         self.skipped = 0          # plain steps in a row since the last draft
+        self.streak = 0           # steps in a row that drafted
+        # Plain steps between probes: doubles at each probe, back to the first only when a
+        # draft is accepted (drafting that fails must not restart the schedule)
         self.probe_interval = PROBE_FIRST
         self.probing = False      # this step drafts to learn, not because it pays
         self.probe_seconds = 0.0  # what the last probe's drafting cost (a drafter may catch up then)
@@ -114,18 +119,16 @@ class DraftPolicy:
         if max_k <= 0:
             return 0
         plain = self.margin / max(self.verify_cost(1), 1e-9)
-        best_k, best_rate = 0, plain
-        expected, reach, alpha = 1.0, 1.0, max(self.alpha, self.first_chance)
-        for k in range(1, max_k + 1):
-            reach *= alpha
-            expected += reach
-            rate = expected / (self.draft_cost(k) + self.verify_cost(k + 1))
-            if rate > best_rate:
-                best_k, best_rate = k, rate
+        best_k = self._best_length(max_k, max(self.alpha, self.first_chance), plain)
+        if best_k and not self._best_length(max_k, self.alpha, plain):
+            # Only the last drafted step's confidence says drafting pays now, and the next
+            # step's drafts may be as unsure as most were: start small and double while it
+            # holds (one confident probe on code is often followed by junk).
+            best_k = min(best_k, 2 ** self.streak)
         if best_k:
-            self.skipped, self.probe_interval = 0, PROBE_FIRST
+            self.skipped, self.streak = 0, self.streak + 1
             return best_k
-        self.skipped += 1
+        self.skipped, self.streak = self.skipped + 1, 0
         # Probe, cheaply: has drafting become worth it? (Rarely where even perfect drafts cannot
         # pay; that check runs only when a probe would otherwise be due.)
         due = self.skipped >= self.probe_interval and not self._hopeless(max_k, plain)
@@ -136,6 +139,19 @@ class DraftPolicy:
             return 1
         return 0
 
+    def _best_length(self, max_k: int, alpha: float, plain: float) -> int:
+        """The draft length with the most expected tokens per second at acceptance rate alpha
+        (0: a plain step, at `plain` tokens per second, is best)."""
+        best_k, best_rate = 0, plain
+        expected, reach = 1.0, 1.0
+        for k in range(1, max_k + 1):
+            reach *= alpha
+            expected += reach
+            rate = expected / (self.draft_cost(k) + self.verify_cost(k + 1))
+            if rate > best_rate:
+                best_k, best_rate = k, rate
+        return best_k
+
     def record_drafting(self, drafted: int, seconds: float) -> None:
         self.draft_cost.record(drafted, seconds)
         if self.probing:
@@ -144,7 +160,7 @@ class DraftPolicy:
     def _hopeless(self, max_k: int, plain: float) -> bool:
         """Whether even drafts that are always accepted would not pay (a drafter as slow as the
         target): then probing can only lose, and looks again rarely, in case costs changed."""
-        return all((k + 1) / (self.draft_cost(k) + self.verify_cost(k + 1)) <= plain for k in range(1, max_k + 1))
+        return not self._best_length(max_k, 1.0, plain)
 
     # --- decision 2 ---------------------------------------------------------------------
     def reach(self, confidence: Sequence[Optional[float]], parents: Sequence[int],
@@ -200,3 +216,5 @@ class DraftPolicy:
                 ok = i in accepted
                 self.calibration.record(confidence[i], ok)
                 self._learn(ok)
+                if ok:
+                    self.probe_interval = PROBE_FIRST

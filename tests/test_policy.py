@@ -236,7 +236,8 @@ def test_a_probe_verifies_where_the_calibration_knows_little():
 def test_a_confident_draft_resumes_drafting_at_once():
     """After a run of rejected low-confidence drafts, one draft the drafter is sure of (and
     whose confidence the calibration trusts) is enough to draft again at the next step, instead
-    of waiting for alpha to climb back probe by probe."""
+    of waiting for alpha to climb back probe by probe: one draft first, twice as many at each
+    step while the drafts stay sure."""
     policy = cpu_like_policy()
     teach(policy, accepted=True, confidence=0.95, n=30)     # confident drafts are right
     teach(policy, accepted=False, confidence=0.05, n=60)    # unsure ones are not, for a while
@@ -244,8 +245,29 @@ def test_a_confident_draft_resumes_drafting_at_once():
     assert policy.draft_length(6) == 0
     policy.select([0.05], [0], drafted=1)                  # another unsure draft
     assert policy.draft_length(6) == 0
-    policy.select([0.95], [0], drafted=1)                  # a sure one
-    assert policy.draft_length(6) >= 3
+    lengths = []
+    for _ in range(3):
+        policy.select([0.95], [0], drafted=1)              # a sure one
+        lengths.append(policy.draft_length(6))
+    assert lengths == [1, 2, 4]
+
+
+def test_drafting_that_fails_does_not_restart_the_probe_schedule():
+    """Probes grow apart; a confident probe that resumes drafting, followed by drafts that fail,
+    leaves them as far apart as before. Only an accepted draft brings the next probe close."""
+    policy = cpu_like_policy()
+    teach(policy, accepted=False, confidence=0.05, n=60)
+    policy.first_chance = 0.0
+    for _ in range(40):
+        policy.draft_length(6)
+    interval = policy.probe_interval
+    assert interval > PROBE_FIRST
+    policy.select([0.95], [0], drafted=1)                  # sure, so drafting resumes
+    assert policy.draft_length(6) == 1
+    policy.record([0.95], [0], [0], [])                    # and fails
+    assert policy.probe_interval == interval
+    policy.record([0.05], [0], [0], [0])                   # an accepted draft
+    assert policy.probe_interval == PROBE_FIRST
 
 
 def test_the_calibration_follows_a_change_of_text_within_a_few_drafts():
