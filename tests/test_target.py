@@ -45,3 +45,20 @@ def test_tap_outside_model_is_an_error():
     target = tiny_target("llama", num_layers=2)
     with pytest.raises(MlxSpecError, match="outside"):
         target.forward(mx.array([[1, 2]]), make_prompt_cache(target.model), taps=(5,))
+
+
+def test_importing_mlx_before_mlx_spec_is_named():
+    """Imported after mlx.core, mlx_spec can no longer give MLX an optimized BLAS: it says so
+    in one warning where there was one to load (and loads nothing)."""
+    import subprocess
+    import sys
+
+    def python(code):
+        out = subprocess.run([sys.executable, "-W", "always", "-c", code], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        return out
+
+    available = python("import mlx_spec; print(mlx_spec.BLAS_PATH)").stdout.strip() != "None"
+    late = python("import mlx.core, mlx_spec; print(mlx_spec.BLAS_PATH)")
+    assert late.stdout.strip() == "None"
+    assert ("import mlx_spec first" in late.stderr) == available
