@@ -120,7 +120,7 @@ class DraftPolicy:
             return 0
         plain = self.margin / max(self.verify_cost(1), 1e-9)
         best_k = self._best_length(max_k, max(self.alpha, self.first_chance), plain)
-        if best_k and not self._best_length(max_k, self.alpha, plain):
+        if best_k and self.first_chance > self.alpha and not self._best_length(max_k, self.alpha, plain):
             # Only the last drafted step's confidence says drafting pays now, and the next
             # step's drafts may be as unsure as most were: start small and double while it
             # holds (one confident probe on code is often followed by junk).
