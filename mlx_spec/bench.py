@@ -1,10 +1,12 @@
 """Timing harness: draft methods side by side with plain `mlx_lm.stream_generate`.
 
-Per prompt turn and repeat, the baseline, every method, then the baseline again run on the same
-loaded weights, alternating, so drift hits all alike; a method's time is compared with the mean
-of the two baseline runs around it. Times are wall clock around each whole generation
-(prefill included, the same work for all). Speedup = a method's tok/s / the baseline's tok/s
-on the same prompts.
+Each method's generation runs interleaved with a baseline generation of the same prompt on the
+same loaded weights: the two advance in turns of about SLICE_SECONDS each (whole steps), so
+that the machine's drift, which here moves one generation's time by ~5% from one run to the
+next, hits both alike (paired this way, two identical runs differ by ~1-2%). Each one's time is
+the sum of its turns, prefill included (the same work for all); the work mlx-lm computes one
+step ahead is waited for at the end of its turn and counted as its own, and within a turn it
+keeps that pipelining. Speedup = a method's tok/s / its baseline's tok/s on the same prompts.
 
 At temperature > 0 the baseline draws each token by the engine's seeded rule (sampling.Sampler:
 argmax(log p + Gumbel noise keyed by (seed, position)), the distribution mlx-lm's own sampler
@@ -115,44 +117,69 @@ def seeded_sampler(rule: Sampler, first_position: int):
     return sample
 
 
-def run_baseline(target, prompt_tokens, max_tokens, sampler):
-    """Plain mlx-lm on the same weights: (tokens, text, seconds). sampler: mlx-lm's, or a
-    Sampler whose seeded rule is drawn with (seeded_sampler)."""
+SLICE_SECONDS = 0.5   # a turn of one of two interleaved generations: short against the drift,
+                      # long against what a turn's end costs mlx-lm (one step not overlapped)
+
+
+def baseline_steps(target, prompt_tokens, max_tokens, sampler, out: dict):
+    """Plain mlx-lm on the same weights, one step per iteration; out gets "tokens" and "text".
+    sampler: mlx-lm's, or a Sampler whose seeded rule is drawn with (seeded_sampler)."""
     from mlx_lm import stream_generate
 
     if isinstance(sampler, Sampler):
         sampler = seeded_sampler(sampler, len(prompt_tokens))
     tokens, pieces, eos = [], [], set(target.eos_token_ids)
-    tic = time.perf_counter()
+    out.update(tokens=tokens, text="")
     for response in stream_generate(target.model, target.tokenizer, prompt_tokens,
                                      max_tokens=max_tokens, sampler=sampler):
         pieces.append(response.text)
+        out["text"] = "".join(pieces)
         if response.token not in eos:
             tokens.append(response.token)
-    return tokens, "".join(pieces), time.perf_counter() - tic
+        yield
 
 
-def run_method(engine, prompt_tokens, max_tokens):
-    """One engine generation on a fresh cache, as the baseline has:
-    (tokens, text, seconds, stats, histogram of tokens committed per step)."""
+def method_steps(engine, prompt_tokens, max_tokens, out: dict):
+    """One engine generation on a fresh cache, as the baseline has, one verification step per
+    iteration; out gets "tokens", "text", "stats" and "histogram" (tokens committed per step)."""
     engine.reset()
-    tokens, pieces, histogram, stats = [], [], Counter(), None
-    tic = time.perf_counter()
+    tokens, pieces, histogram = [], [], Counter()
+    out.update(tokens=tokens, text="", stats=None, histogram=histogram)
     for event in engine.generate(prompt_tokens, max_tokens=max_tokens):
         if event[0] == "token":
             tokens.append(event[1])
         if event[0] in ("token", "text"):
             pieces.append(event[-1])
+            out["text"] = "".join(pieces)
         elif event[0] == "step":
             histogram[event[2] + 1] += 1
+            yield
         elif event[0] == "done":
-            stats = event[1]
-    return tokens, "".join(pieces), time.perf_counter() - tic, stats, histogram
+            out["stats"] = event[1]
+
+
+def timed_in_turns(runs, turn_seconds=SLICE_SECONDS) -> List[float]:
+    """Advance the step iterators `runs` in turns of ~turn_seconds each until all are done; the
+    seconds each one took, its turns summed. Work a run left in flight (mlx-lm evaluates the
+    next step asynchronously) is waited for inside its own turn."""
+    seconds = [0.0] * len(runs)
+    live = list(range(len(runs)))
+    while live:
+        for i in list(live):
+            tic = time.perf_counter()
+            try:
+                while time.perf_counter() - tic < turn_seconds:
+                    next(runs[i])
+            except StopIteration:
+                live.remove(i)
+            mx.synchronize()
+            seconds[i] += time.perf_counter() - tic
+    return seconds
 
 
 def run_bench(target, engines: Dict[str, object], items, max_tokens, repeats, sampling, seed=0,
               progress=None, residual=False) -> List[Record]:
-    """Every turn of every item, `repeats` times: the baseline, each method, the baseline again."""
+    """Every turn of every item, `repeats` times: each method interleaved with a baseline run."""
     from mlx_lm.sample_utils import make_sampler
 
     compared = sampling.greedy or not residual   # outputs that must equal the baseline's
@@ -160,12 +187,11 @@ def run_bench(target, engines: Dict[str, object], items, max_tokens, repeats, sa
                make_sampler(sampling.temp, sampling.top_p, sampling.min_p, top_k=sampling.top_k))
     tokenizer = target.tokenizer
     warmup = tokenizer.apply_chat_template([{"role": "user", "content": "Hello"}], add_generation_prompt=True)
-    run_baseline(target, warmup, 8, sampler)
-    for engine in engines.values():
-        run_method(engine, warmup, 8)
+    timed_in_turns([baseline_steps(target, warmup, 8, sampler, {}),
+                    *(method_steps(engine, warmup, 8, {}) for engine in engines.values())])
     mx.random.seed(seed)
 
-    records = []
+    records, pairs = [], 0
     for item in items:
         for repeat in range(repeats):
             histories = {name: [] for name in ["baseline", *engines]}
@@ -175,28 +201,32 @@ def run_bench(target, engines: Dict[str, object], items, max_tokens, repeats, sa
                     return tokenizer.apply_chat_template(histories[name], add_generation_prompt=True)
 
                 base_prompt = prompt_of("baseline")
-                base_tokens, text, base_seconds = run_baseline(target, base_prompt, max_tokens, sampler)
-                histories["baseline"].append({"role": "assistant", "content": text})
-                runs = {}
                 for name, engine in engines.items():
-                    runs[name] = run_method(engine, prompt_of(name), max_tokens)
-                    histories[name].append({"role": "assistant", "content": runs[name][1]})
-                # The baseline again after the methods: their speed is compared with the mean of
-                # the two, which cancels a linear drift and halves the variance of one timing.
-                base_seconds = (base_seconds + run_baseline(target, base_prompt, max_tokens, sampler)[2]) / 2
-                for name, (tokens, text, seconds, stats, histogram) in runs.items():
-                    diff = _first_difference(tokens, base_tokens)
+                    base, run = {}, {}
+                    runs = [baseline_steps(target, base_prompt, max_tokens, sampler, base),
+                            method_steps(engine, prompt_of(name), max_tokens, run)]
+                    # Who starts alternates: neither always gets the first turn's machine state.
+                    order = [0, 1] if pairs % 2 == 0 else [1, 0]
+                    pairs += 1
+                    timed = timed_in_turns([runs[i] for i in order])
+                    base_seconds, seconds = (timed[order.index(0)], timed[order.index(1)])
+                    histories[name].append({"role": "assistant", "content": run["text"]})
+                    stats, base_tokens = run["stats"], base["tokens"]
+                    diff = _first_difference(run["tokens"], base_tokens)
                     records.append(Record(
                         method=name, category=item["category"], question_id=item["question_id"],
-                        turn=turn, repeat=repeat, generated_tokens=len(tokens), seconds=seconds,
+                        turn=turn, repeat=repeat, generated_tokens=len(run["tokens"]), seconds=seconds,
                         steps=stats.steps, plain_steps=stats.plain_steps, proposed=stats.proposed,
                         accepted=stats.accepted,
                         baseline_tokens=len(base_tokens), baseline_seconds=base_seconds,
                         identical=(diff is None) if compared else None,
                         first_difference=diff if compared else None,
-                        tokens_per_step_histogram=dict(sorted(histogram.items()))))
+                        tokens_per_step_histogram=dict(sorted(run["histogram"].items()))))
                     if progress is not None:
                         progress(1)
+                # The next turn follows the baseline's answer (the same text in every pair
+                # where outputs are compared).
+                histories["baseline"].append({"role": "assistant", "content": base["text"]})
     return records
 
 

@@ -47,6 +47,53 @@ def test_lossless_counter_catches_a_divergent_method(tiny_dir, temp):
     assert rows[("broken", "all")]["first_differences"] == [5, 5, 5, 5]
 
 
+def test_interleaved_runs_are_timed_apart_in_turns():
+    import time
+
+    order = []
+
+    def sleeper(name, seconds, steps):
+        for _ in range(steps):
+            time.sleep(seconds)
+            order.append(name)
+            yield
+
+    fast, slow = bench.timed_in_turns([sleeper("fast", 0.01, 20), sleeper("slow", 0.02, 10)], turn_seconds=0.05)
+    # Each is charged its own work only (0.2 s), not the other's turns in between...
+    assert 0.19 < fast < 0.3 and 0.19 < slow < 0.3
+    # ... and they alternated, a few steps at a time.
+    switches = sum(a != b for a, b in zip(order, order[1:]))
+    assert switches >= 5
+
+
+def test_work_left_in_flight_is_charged_to_the_run_that_left_it():
+    import time
+
+    import mlx.core as mx
+
+    x = mx.random.normal((512, 512))
+
+    def heavy():
+        y = x
+        for _ in range(200):
+            y = y @ x / 512
+        return y
+
+    tic = time.perf_counter()
+    mx.eval(heavy())
+    alone = time.perf_counter() - tic
+
+    def asynchronous():
+        mx.async_eval(heavy())   # as mlx-lm does with its next step
+        yield
+
+    def idle():
+        yield
+
+    ahead, other = bench.timed_in_turns([asynchronous(), idle()])
+    assert ahead > 0.5 * alone and other < 0.5 * alone
+
+
 def test_bench_cli_writes_every_field(tiny_dir, tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"question_id": "q1", "category": "chat", "turns": ["Hi.", "And then?"]}) + "\n"
