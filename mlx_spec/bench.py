@@ -2,11 +2,13 @@
 
 Each method's generation runs interleaved with a baseline generation of the same prompt on the
 same loaded weights: the two advance in turns of about SLICE_SECONDS each (whole steps), so
-that the machine's drift, which here moves one generation's time by ~5% from one run to the
-next, hits both alike (paired this way, two identical runs differ by ~1-2%). Each one's time is
-the sum of its turns, prefill included (the same work for all); the work mlx-lm computes one
-step ahead is waited for at the end of its turn and counted as its own, and within a turn it
-keeps that pipelining. Speedup = a method's tok/s / its baseline's tok/s on the same prompts.
+that the machine's drift, which here moved one generation's time by 5-6% against a baseline run
+a few generations away, hits both alike (paired in turns: 2.1% for the engine without a
+drafter against mlx-lm). Each one's time is the sum of its turns, prefill included (the same
+work for all); the work mlx-lm computes one step ahead is waited for at the end of its turn and
+counted as its own, and within a turn it keeps that pipelining (on Metal a turn's end costs it
+one step's graph building; on the CPU backend async_eval computes most of a step before it
+returns, so little). Speedup = a method's tok/s / its baseline's tok/s on the same prompts.
 
 At temperature > 0 the baseline draws each token by the engine's seeded rule (sampling.Sampler:
 argmax(log p + Gumbel noise keyed by (seed, position)), the distribution mlx-lm's own sampler
