@@ -1,7 +1,7 @@
 """Timing harness: draft methods side by side with plain `mlx_lm.stream_generate`.
 
 Each method's generation runs interleaved with a baseline generation of the same prompt on the
-same loaded weights: the two advance in turns of about SLICE_SECONDS each (whole steps), so
+same loaded weights: the two advance in turns of about TURN_SECONDS each (whole steps), so
 that the machine's drift, which here moved one generation's time by 5-6% against a baseline run
 a few generations away, hits both alike (paired in turns: 2.1% for the engine without a
 drafter against mlx-lm). Each one's time is the sum of its turns, prefill included (the same
@@ -119,8 +119,8 @@ def seeded_sampler(rule: Sampler, first_position: int):
     return sample
 
 
-SLICE_SECONDS = 0.5   # a turn of one of two interleaved generations: short against the drift,
-                      # long against what a turn's end costs mlx-lm (one step not overlapped)
+TURN_SECONDS = 0.5   # a turn of one of two interleaved generations: short against the drift,
+                     # long against what a turn's end costs mlx-lm (one step not overlapped)
 
 
 def baseline_steps(target, prompt_tokens, max_tokens, sampler, out: dict):
@@ -131,14 +131,14 @@ def baseline_steps(target, prompt_tokens, max_tokens, sampler, out: dict):
     if isinstance(sampler, Sampler):
         sampler = seeded_sampler(sampler, len(prompt_tokens))
     tokens, pieces, eos = [], [], set(target.eos_token_ids)
-    out.update(tokens=tokens, text="")
+    out.update(tokens=tokens)
     for response in stream_generate(target.model, target.tokenizer, prompt_tokens,
                                      max_tokens=max_tokens, sampler=sampler):
         pieces.append(response.text)
-        out["text"] = "".join(pieces)
         if response.token not in eos:
             tokens.append(response.token)
         yield
+    out["text"] = "".join(pieces)
 
 
 def method_steps(engine, prompt_tokens, max_tokens, out: dict):
@@ -146,21 +146,21 @@ def method_steps(engine, prompt_tokens, max_tokens, out: dict):
     iteration; out gets "tokens", "text", "stats" and "histogram" (tokens committed per step)."""
     engine.reset()
     tokens, pieces, histogram = [], [], Counter()
-    out.update(tokens=tokens, text="", stats=None, histogram=histogram)
+    out.update(tokens=tokens, histogram=histogram)
     for event in engine.generate(prompt_tokens, max_tokens=max_tokens):
         if event[0] == "token":
             tokens.append(event[1])
         if event[0] in ("token", "text"):
             pieces.append(event[-1])
-            out["text"] = "".join(pieces)
         elif event[0] == "step":
             histogram[event[2] + 1] += 1
             yield
         elif event[0] == "done":
             out["stats"] = event[1]
+    out["text"] = "".join(pieces)
 
 
-def timed_in_turns(runs, turn_seconds=SLICE_SECONDS) -> List[float]:
+def timed_in_turns(runs, turn_seconds=TURN_SECONDS) -> List[float]:
     """Advance the step iterators `runs` in turns of ~turn_seconds each until all are done; the
     seconds each one took, its turns summed. Work a run left in flight (mlx-lm evaluates the
     next step asynchronously) is waited for inside its own turn."""
@@ -193,7 +193,7 @@ def run_bench(target, engines: Dict[str, object], items, max_tokens, repeats, sa
                     *(method_steps(engine, warmup, 8, {}) for engine in engines.values())])
     mx.random.seed(seed)
 
-    records, pairs = [], 0
+    records = []
     for item in items:
         for repeat in range(repeats):
             histories = {name: [] for name in ["baseline", *engines]}
@@ -207,9 +207,9 @@ def run_bench(target, engines: Dict[str, object], items, max_tokens, repeats, sa
                     base, run = {}, {}
                     runs = [baseline_steps(target, base_prompt, max_tokens, sampler, base),
                             method_steps(engine, prompt_of(name), max_tokens, run)]
-                    # Who starts alternates: neither always gets the first turn's machine state.
-                    order = [0, 1] if pairs % 2 == 0 else [1, 0]
-                    pairs += 1
+                    # Who starts alternates (one record per pair): neither always gets the
+                    # first turn's machine state.
+                    order = [0, 1] if len(records) % 2 == 0 else [1, 0]
                     timed = timed_in_turns([runs[i] for i in order])
                     base_seconds, seconds = (timed[order.index(0)], timed[order.index(1)])
                     histories[name].append({"role": "assistant", "content": run["text"]})
