@@ -4,8 +4,9 @@ Each step has two decisions, both maximising expected committed tokens per secon
 1. Before drafting, how many positions to draft (K, 0 = a plain step that pays nothing for
    drafting), from the recent acceptance rate and the measured costs of drafting and of
    verifying. While drafting does not pay, it still probes now and then (one draft, at growing
-   intervals, back to short ones only once a draft is accepted) so that it notices when drafts
-   become good again, e.g. when the output starts copying. Where only the last drafted step's
+   intervals, until probes cost PROBE_BUDGET of the time, back to short ones only once a draft
+   is accepted) so that it notices when drafts become good again, e.g. when the output starts
+   copying; and early in each prompt while recent prompts' first drafts paid. Where only the last drafted step's
    confidence says drafting pays, it resumes with one draft and doubles while that holds. A
    probe pays for the drafting; its draft is verified only where its confidence says it may
    pay, judged optimistically where the calibration has seen little.
@@ -26,8 +27,13 @@ from .cost import LinearCost
 
 BINS = 20               # calibration buckets over confidence in [0, 1]
 PROBE_FIRST, PROBE_MAX = 4, 64
+PROBE_BUDGET = 0.004    # probes cost at most this share of the plain steps between them
 HOPELESS_PROBE = 256    # steps between probes when even perfect drafts would not pay,
 PROBE_SHARE = 0.02      # and more where a probe costs more than this share of the steps between
+# A new prompt is probed at once while the first drafting of recent prompts found accepted
+# drafts often enough (a decayed share): that probe costs a few percent of a short answer and
+# wins much more where it pays, but a drafter whose drafts never pay would pay it at every prompt.
+TEXT_WEIGHT, TEXT_FLOOR = 0.2, 0.05
 # Weight of each outcome in alpha. Outcomes arrive only while drafting: a probe's success must
 # move alpha enough to resume drafting when the text turns predictable (a prompt copied, an
 # answer the drafter knows), not be averaged away with the misses of an earlier prompt.
@@ -104,17 +110,28 @@ class DraftPolicy:
         self.probe_interval = PROBE_FIRST
         self.probing = False      # this step drafts to learn, not because it pays
         self.probe_seconds = 0.0  # what the last probe's drafting cost (a drafter may catch up then)
+        self.texts_pay = 1.0      # recent prompts' share whose first drafted step had a draft accepted
+        self.text_untried = False # no step of this prompt has drafted yet
+        self.drafting = False     # this step drafts
 
     def new_text(self) -> None:
         """Called at each new prompt (a generation, a chat turn): trust the calibration's long-run
         estimates again and probe soon, since drafts that did not pay on the last text may pay
         on this one (an answer after a chat, arithmetic after prose). One early probe, not the
-        whole schedule again: a useless drafter would pay the first probes at every prompt."""
+        whole schedule again: a useless drafter would pay the first probes at every prompt, and
+        none where recent prompts' first drafts all failed."""
         self.calibration.new_text()
-        self.skipped = max(self.skipped, self.probe_interval - PROBE_FIRST)
+        self.text_untried = True
+        if self.texts_pay >= TEXT_FLOOR:
+            self.skipped = max(self.skipped, self.probe_interval - PROBE_FIRST)
 
     # --- decision 1 ---------------------------------------------------------------------
     def draft_length(self, max_k: int) -> int:
+        k = self._draft_length(max_k)
+        self.drafting = k > 0
+        return k
+
+    def _draft_length(self, max_k: int) -> int:
         self.probing = False
         if max_k <= 0:
             return 0
@@ -132,9 +149,10 @@ class DraftPolicy:
         # Probe, cheaply: has drafting become worth it? (Rarely where even perfect drafts cannot
         # pay; that check runs only when a probe would otherwise be due.)
         due = self.skipped >= self.probe_interval and not self._hopeless(max_k, plain)
-        hopeless_every = max(HOPELESS_PROBE, self.probe_seconds / (PROBE_SHARE * self.verify_cost(1)))
+        hopeless_every = max(HOPELESS_PROBE, self._probe_cost() / (PROBE_SHARE * self.verify_cost(1)))
         if due or self.skipped >= hopeless_every:
-            self.skipped, self.probe_interval = 0, min(2 * self.probe_interval, PROBE_MAX)
+            longest = max(PROBE_MAX, self._probe_cost() / (PROBE_BUDGET * self.verify_cost(1)))
+            self.skipped, self.probe_interval = 0, min(2 * self.probe_interval, int(longest))
             self.probing = True
             return 1
         return 0
@@ -156,6 +174,11 @@ class DraftPolicy:
         self.draft_cost.record(drafted, seconds)
         if self.probing:
             self.probe_seconds = seconds
+
+    def _probe_cost(self) -> float:
+        """Seconds a probe adds to a plain step: its drafting, and the wider pass where its
+        draft is verified."""
+        return self.probe_seconds + max(0.0, self.verify_cost(2) - self.verify_cost(1))
 
     def _hopeless(self, max_k: int, plain: float) -> bool:
         """Whether even drafts that are always accepted would not pay (a drafter as slow as the
@@ -209,6 +232,9 @@ class DraftPolicy:
 
     def record(self, confidence, parents, verified: Sequence[int], path: Sequence[int]) -> None:
         """Outcomes of the verified drafts whose parent was accepted (or is the root)."""
+        if self.drafting and self.text_untried:
+            self.text_untried = False
+            self.texts_pay += TEXT_WEIGHT * (bool(path) - self.texts_pay)
         accepted = set(path)
         for i in verified:
             parent = parents[i] - 1

@@ -299,3 +299,46 @@ def test_a_new_prompt_trusts_the_calibration_again_and_probes_soon():
     policy.new_text()
     assert policy.calibration(0.9) == pytest.approx(policy.calibration.bucket_chance(0.9))
     assert any(policy.draft_length(4) for _ in range(PROBE_FIRST))
+
+
+def plain_or_probe_step(policy, max_k, accepted=False, probe_seconds=0.0):
+    """One engine step against the policy: the length, then the outcome; a probe's one draft
+    is verified and accepted or not. Returns the length."""
+    k = policy.draft_length(max_k)
+    if k:
+        policy.record_drafting(k, probe_seconds)
+        policy.record([0.5], [0], [0], [0] if accepted else [])
+    else:
+        policy.record([], [], range(0), [])
+    return k
+
+
+def test_probes_grow_apart_until_they_cost_a_small_share():
+    """A drafter whose drafts never pay and whose probe costs 40% of a step: probes grow apart
+    past PROBE_MAX, until they cost about PROBE_BUDGET of the time."""
+    from mlx_spec.policy import PROBE_BUDGET, PROBE_MAX
+
+    policy = measured_policy(verify_slope=0.1, draft_per_position=0.4)
+    teach(policy, accepted=False)
+    probes = [step for step in range(3000) if plain_or_probe_step(policy, 4, probe_seconds=0.4 * 0.05)]
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    cost_share = (0.4 * 0.05 + policy.verify_cost(2) - policy.verify_cost(1)) / (gaps[-1] * policy.verify_cost(1))
+    assert gaps == sorted(gaps) and gaps[-1] > PROBE_MAX
+    assert PROBE_BUDGET / 2 < cost_share <= PROBE_BUDGET * 1.05
+
+
+def test_new_prompts_are_probed_at_once_while_their_first_drafts_pay():
+    """Each prompt is probed within its first steps while recent prompts' first drafts were
+    accepted; after many prompts whose first drafts all failed, no longer (the probe schedule
+    goes on); one prompt whose first draft is accepted brings it back."""
+    policy = cpu_like_policy()
+    teach(policy, accepted=False, confidence=0.5)
+
+    def prompt(accepted=False, steps=PROBE_FIRST + 2):
+        policy.new_text()
+        return any([plain_or_probe_step(policy, 4, accepted) for _ in range(steps)])
+
+    early = [prompt() for _ in range(40)]
+    assert all(early[:5]) and sum(early[-20:]) <= 2   # 120 steps: the schedule's probes only
+    assert prompt(accepted=True, steps=300)   # the schedule's probe finds drafts accepted
+    assert prompt()
