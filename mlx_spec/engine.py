@@ -193,7 +193,7 @@ class Engine:
         tic = time.perf_counter()
         drafts, path, next_token, taps = self._verify(context, draft)
         if self.policy:
-            self.policy.verify_cost.record(1 + len(drafts), time.perf_counter() - tic)
+            self.policy.record_verification(1 + len(drafts), time.perf_counter() - tic)
             self.policy.record(draft.confidence or [None] * len(drafts), draft.parent_nodes, range(len(drafts)), path)
         self.drafter.commit(len(path), next_token, taps,
                             **({"path": [kept[i] for i in path]} if proposal.parents is not None else {}))

@@ -6,7 +6,7 @@ Each step has two decisions, both maximising expected committed tokens per secon
    verifying. While drafting does not pay, it still probes now and then (one draft, at growing
    intervals, until probes cost PROBE_BUDGET of the time, back to short ones only once a draft
    is accepted) so that it notices when drafts become good again, e.g. when the output starts
-   copying; and early in each prompt while recent prompts' first drafts paid. Where only the last drafted step's
+   copying; and early in each prompt while drafting paid on recent prompts. Where only the last drafted step's
    confidence says drafting pays, it resumes with one draft and doubles while that holds. A
    probe pays for the drafting; its draft is verified only where its confidence says it may
    pay, judged optimistically where the calibration has seen little.
@@ -30,9 +30,9 @@ PROBE_FIRST, PROBE_MAX = 4, 64
 PROBE_BUDGET = 0.004    # probes cost at most this share of the plain steps between them
 HOPELESS_PROBE = 256    # steps between probes when even perfect drafts would not pay,
 PROBE_SHARE = 0.02      # and more where a probe costs more than this share of the steps between
-# A new prompt is probed at once while the first drafting of recent prompts found accepted
-# drafts often enough (a decayed share): that probe costs a few percent of a short answer and
-# wins much more where it pays, but a drafter whose drafts never pay would pay it at every prompt.
+# A new prompt is probed at once while drafting saved time on enough recent prompts (a decayed
+# share): that probe costs a few percent of a short answer and wins much more where drafting
+# pays, but a drafter whose drafts never pay (or pay less than they cost) pays it at every prompt.
 TEXT_WEIGHT, TEXT_FLOOR = 0.2, 0.05
 # Weight of each outcome in alpha. Outcomes arrive only while drafting: a probe's success must
 # move alpha enough to resume drafting when the text turns predictable (a prompt copied, an
@@ -110,28 +110,24 @@ class DraftPolicy:
         self.probe_interval = PROBE_FIRST
         self.probing = False      # this step drafts to learn, not because it pays
         self.probe_seconds = 0.0  # what the last probe's drafting cost (a drafter may catch up then)
-        self.texts_pay = 1.0      # recent prompts' share whose first drafted step had a draft accepted
-        self.text_untried = False # no step of this prompt has drafted yet
-        self.drafting = False     # this step drafts
+        self.texts_pay = 1.0      # recent prompts' share (decayed) on which drafting saved time
+        self.text_saved = None    # seconds drafting saved on this prompt (None: it never drafted)
 
     def new_text(self) -> None:
         """Called at each new prompt (a generation, a chat turn): trust the calibration's long-run
         estimates again and probe soon, since drafts that did not pay on the last text may pay
         on this one (an answer after a chat, arithmetic after prose). One early probe, not the
         whole schedule again: a useless drafter would pay the first probes at every prompt, and
-        none where recent prompts' first drafts all failed."""
+        none where drafting has not paid on recent prompts."""
         self.calibration.new_text()
-        self.text_untried = True
+        if self.text_saved is not None:
+            self.texts_pay += TEXT_WEIGHT * ((self.text_saved > 0) - self.texts_pay)
+            self.text_saved = None
         if self.texts_pay >= TEXT_FLOOR:
             self.skipped = max(self.skipped, self.probe_interval - PROBE_FIRST)
 
     # --- decision 1 ---------------------------------------------------------------------
     def draft_length(self, max_k: int) -> int:
-        k = self._draft_length(max_k)
-        self.drafting = k > 0
-        return k
-
-    def _draft_length(self, max_k: int) -> int:
         self.probing = False
         if max_k <= 0:
             return 0
@@ -170,10 +166,19 @@ class DraftPolicy:
                 best_k, best_rate = k, rate
         return best_k
 
+    def _saved(self, seconds: float) -> None:
+        self.text_saved = (self.text_saved or 0.0) + seconds
+
     def record_drafting(self, drafted: int, seconds: float) -> None:
+        self._saved(-seconds)
         self.draft_cost.record(drafted, seconds)
         if self.probing:
             self.probe_seconds = seconds
+
+    def record_verification(self, width: int, seconds: float) -> None:
+        if width > 1:
+            self._saved(self.verify_cost(1) - seconds)   # what the wider pass cost over a plain step
+        self.verify_cost.record(width, seconds)
 
     def _probe_cost(self) -> float:
         """Seconds a probe adds to a plain step: its drafting, and the wider pass where its
@@ -232,9 +237,8 @@ class DraftPolicy:
 
     def record(self, confidence, parents, verified: Sequence[int], path: Sequence[int]) -> None:
         """Outcomes of the verified drafts whose parent was accepted (or is the root)."""
-        if self.drafting and self.text_untried:
-            self.text_untried = False
-            self.texts_pay += TEXT_WEIGHT * (bool(path) - self.texts_pay)
+        if path:
+            self._saved(len(path) * self.verify_cost(1))   # a plain step per accepted draft
         accepted = set(path)
         for i in verified:
             parent = parents[i] - 1

@@ -302,13 +302,15 @@ def test_a_new_prompt_trusts_the_calibration_again_and_probes_soon():
 
 
 def plain_or_probe_step(policy, max_k, accepted=False, probe_seconds=0.0):
-    """One engine step against the policy: the length, then the outcome; a probe's one draft
-    is verified and accepted or not. Returns the length."""
+    """One engine step against the policy: the length, then the costs and the outcome; a probe's
+    one draft is verified and accepted or not. Returns the length."""
     k = policy.draft_length(max_k)
     if k:
         policy.record_drafting(k, probe_seconds)
+        policy.record_verification(2, policy.verify_cost(2))
         policy.record([0.5], [0], [0], [0] if accepted else [])
     else:
+        policy.record_verification(1, policy.verify_cost(1))
         policy.record([], [], range(0), [])
     return k
 
@@ -327,18 +329,26 @@ def test_probes_grow_apart_until_they_cost_a_small_share():
     assert PROBE_BUDGET / 2 < cost_share <= PROBE_BUDGET * 1.05
 
 
-def test_new_prompts_are_probed_at_once_while_their_first_drafts_pay():
-    """Each prompt is probed within its first steps while recent prompts' first drafts were
-    accepted; after many prompts whose first drafts all failed, no longer (the probe schedule
-    goes on); one prompt whose first draft is accepted brings it back."""
+def test_new_prompts_are_probed_at_once_while_drafting_saves_time_on_them():
+    """Each prompt is probed within its first steps while drafting saved time on recent prompts;
+    after many prompts where it did not (drafts rejected, or accepted but costing more than the
+    plain steps they save), no longer (the probe schedule goes on); one prompt where drafting
+    saves time brings it back."""
+    from mlx_spec.policy import TEXT_FLOOR
+
     policy = cpu_like_policy()
     teach(policy, accepted=False, confidence=0.5)
+    plain = policy.verify_cost(1)
 
-    def prompt(accepted=False, steps=PROBE_FIRST + 2):
+    def prompt(accepted=False, steps=PROBE_FIRST + 2, probe_seconds=0.0):
         policy.new_text()
-        return any([plain_or_probe_step(policy, 4, accepted) for _ in range(steps)])
+        return any([plain_or_probe_step(policy, 4, accepted, probe_seconds) for _ in range(steps)])
 
     early = [prompt() for _ in range(40)]
     assert all(early[:5]) and sum(early[-20:]) <= 2   # 120 steps: the schedule's probes only
-    assert prompt(accepted=True, steps=300)   # the schedule's probe finds drafts accepted
+    for _ in range(3):
+        prompt(accepted=True, steps=40, probe_seconds=3 * plain)   # accepted, but dear
+    policy.new_text()
+    assert policy.texts_pay < TEXT_FLOOR
+    assert prompt(accepted=True, steps=300)   # the schedule's probe finds drafts that pay
     assert prompt()
