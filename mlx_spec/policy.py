@@ -6,10 +6,10 @@ Each step has two decisions, both maximising expected committed tokens per secon
    verifying. While drafting does not pay, it still probes now and then (one draft, at growing
    intervals, until probes cost PROBE_BUDGET of the time, back to short ones only once a draft
    is accepted) so that it notices when drafts become good again, e.g. when the output starts
-   copying; and early in each prompt while drafting paid on recent prompts. Where only the last drafted step's
-   confidence says drafting pays, it resumes with one draft and doubles while that holds. A
-   probe pays for the drafting; its draft is verified only where its confidence says it may
-   pay, judged optimistically where the calibration has seen little.
+   copying; and early in each prompt while drafting paid on recent prompts. Where only the last
+   drafted step's confidence says drafting pays, it resumes with one draft and doubles while
+   that holds. A probe pays for the drafting; its draft is verified only where its confidence
+   says it may pay, judged optimistically where the calibration has seen little.
 2. After drafting, which drafts to verify: each draft comes with the drafter's own probability
    of it (its confidence), which a calibration learned online turns into a probability of
    acceptance; a draft is worth verifying for P(it and its ancestors are accepted). Chains keep
@@ -145,9 +145,9 @@ class DraftPolicy:
         # Probe, cheaply: has drafting become worth it? (Rarely where even perfect drafts cannot
         # pay; that check runs only when a probe would otherwise be due.)
         due = self.skipped >= self.probe_interval and not self._hopeless(max_k, plain)
-        hopeless_every = max(HOPELESS_PROBE, self._probe_cost() / (PROBE_SHARE * self.verify_cost(1)))
-        if due or self.skipped >= hopeless_every:
-            longest = max(PROBE_MAX, self._probe_cost() / (PROBE_BUDGET * self.verify_cost(1)))
+        probe_steps = self._probe_cost() / self.verify_cost(1)   # a probe's cost in plain steps
+        if due or self.skipped >= max(HOPELESS_PROBE, probe_steps / PROBE_SHARE):
+            longest = max(PROBE_MAX, probe_steps / PROBE_BUDGET)
             self.skipped, self.probe_interval = 0, min(2 * self.probe_interval, int(longest))
             self.probing = True
             return 1

@@ -7,7 +7,7 @@ from tiny import ScriptedDrafter, plain_greedy, run, tiny_target
 from mlx_spec.cost import LinearCost
 from mlx_spec.drafters.base import Draft
 from mlx_spec.engine import Engine
-from mlx_spec.policy import PROBE_FIRST, DraftPolicy
+from mlx_spec.policy import PROBE_BUDGET, PROBE_FIRST, PROBE_MAX, TEXT_FLOOR, DraftPolicy
 
 PROMPT = [1, 5, 7, 9, 11, 13, 2, 5, 7, 9, 11, 13, 2, 5, 7]
 
@@ -318,8 +318,6 @@ def plain_or_probe_step(policy, max_k, accepted=False, probe_seconds=0.0):
 def test_probes_grow_apart_until_they_cost_a_small_share():
     """A drafter whose drafts never pay and whose probe costs 40% of a step: probes grow apart
     past PROBE_MAX, until they cost about PROBE_BUDGET of the time."""
-    from mlx_spec.policy import PROBE_BUDGET, PROBE_MAX
-
     policy = measured_policy(verify_slope=0.1, draft_per_position=0.4)
     teach(policy, accepted=False)
     probes = [step for step in range(3000) if plain_or_probe_step(policy, 4, probe_seconds=0.4 * 0.05)]
@@ -334,8 +332,6 @@ def test_new_prompts_are_probed_at_once_while_drafting_saves_time_on_them():
     after many prompts where it did not (drafts rejected, or accepted but costing more than the
     plain steps they save), no longer (the probe schedule goes on); one prompt where drafting
     saves time brings it back."""
-    from mlx_spec.policy import TEXT_FLOOR
-
     policy = cpu_like_policy()
     teach(policy, accepted=False, confidence=0.5)
     plain = policy.verify_cost(1)
