@@ -222,7 +222,12 @@ def test_context_is_the_targets_features_of_every_committed_token(tmp_path, qwen
     first, _ = run(engine, PROMPT, 24)
     run(engine, PROMPT + first + [4, 4, 2], 12)   # a session: the whole cache is reused
     run(engine, PROMPT[:6] + [4, 4, 2], 12)       # a prompt that diverges: rolled back
-    assert drafter.records and drafter.most_accepted >= 2
+    engine.num_draft_tokens = 0                   # plain steps: the features wait, uncached
+    run(engine, PROMPT[:7] + [2, 4, 4, 9], 12)
+    engine.num_draft_tokens = 3                   # diverges inside the prompt's waiting features
+    records = len(drafter.records)
+    run(engine, PROMPT[:7] + [2, 4, 7], 12)
+    assert len(drafter.records) > records and drafter.most_accepted >= 2
     for tokens, logits in drafter.records:
         _, taps = target.forward(mx.array(tokens[:-1])[None], make_prompt_cache(target.model), drafter.taps)
         fresh = model.make_cache()

@@ -3,8 +3,9 @@ block_size - 1 drafts, conditioned on the target's hidden states (models/dflash.
 
 The drafter's context grows only by target features the engine already has: the prompt's at
 prefill, the accepted positions' (taken from the verification pass, no extra target forward)
-at each commit. Features committed in a step are appended at the next propose, inside the
-drafting graph, so appending, drafting and verification are evaluated together with one sync.
+at each commit. Features are appended to its cache at the next propose, inside the drafting
+graph, so appending, drafting and verification are evaluated together with one sync, and
+steps that do not draft (the policy's plain steps) pay nothing for the drafter.
 At temperature > 0 each position is drawn from its own q with the generation's noise
 (sampling.Sampler); the positions do not see each other's drafts, so under the residual rule
 q_i is exactly the probability of x_i given the prefix."""
@@ -37,15 +38,29 @@ class DFlashDrafter(Drafter):
             self.model.append_context(mx.concatenate(self.pending, axis=1), self.cache)
             self.pending = []
 
+    def _keep_context(self, length: int) -> None:
+        """Keep the first `length` context positions, cached or pending."""
+        cached = self.cache[0].offset
+        if length <= cached:
+            rollback_to(self.cache, length)
+            self.pending = []
+            return
+        kept, left = [], length - cached
+        for features in self.pending:
+            if left <= 0:
+                break
+            kept.append(features[:, :left])
+            left -= features.shape[1]
+        self.pending = kept
+
     def prefill(self, context, taps, start):
-        # Cache what the last generation committed first: the rollback needs offset >= start.
-        self._append_pending()
-        rollback_to(self.cache, start)
+        # The prompt's context K/V is computed lazily, at the next proposal (inside its drafting
+        # graph): a generation in which the policy never drafts never pays for it.
+        self._keep_context(start)
         if taps:
-            self.model.append_context(self._features(taps), self.cache)
+            self.pending.append(self._features(taps))
         self.last_token = context[-1]
         self.position = len(context)
-        mx.eval([c.state for c in self.cache])
 
     def block_logits(self, n: int) -> mx.array:
         """The drafter's logits [n, V] for the next n positions (lazy)."""
