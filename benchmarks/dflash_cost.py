@@ -114,6 +114,7 @@ def main():
         drafter = DFlashDrafter(target, model)
         drafter.sampler = Sampler(params)
         drafter.prefill(context, taps, 0)
+        mx.eval(drafter.block_logits(1))   # the context K/V is computed at the first proposal
         if mode == "greedy":
             layers_ms, _ = median_ms(lambda: model(target.embed(block), drafter.cache), opts.reps, opts.runs)
             print(f"drafter forward, {model.args.num_hidden_layers} layers only: {layers_ms:.2f} ms = "

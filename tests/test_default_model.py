@@ -44,9 +44,10 @@ def chat_prompt(target, text):
 def test_lookup_matches_plain_and_mlx_lm(target, item):
     prompt = chat_prompt(target, item["prompt"])
     expected = mlx_lm_tokens(target, prompt, MAX_TOKENS)
-    plain, _ = run(Engine(target), prompt, MAX_TOKENS)
+    if SUITE.index(item) % 2 == 0:   # the engine without a drafter: one prompt per category is enough
+        plain, _ = run(Engine(target), prompt, MAX_TOKENS)
+        assert plain == expected
     looked_up, stats = run(Engine(target, LookupDrafter()), prompt, MAX_TOKENS)
-    assert plain == expected
     assert looked_up == expected
     assert len(expected) == MAX_TOKENS or stats.finish_reason == "eos"
 
@@ -129,11 +130,11 @@ def test_no_shipped_drafter_for_another_model(target, tmp_path):
                          ids=["lookup", "model", "eagle", "eagle-tree", "dflash", "ddtree", "mtp", "medusa",
                               "medusa-tree", "layerskip"])
 def test_seed_reproduces_sampled_text_whatever_the_source(target, method, options):
-    """--seed S prints what --draft none --seed S prints, for every draft length."""
+    """--seed S prints what --draft none --seed S prints, with one draft per step and with many."""
     params = SamplingParams(temp=0.8, top_p=0.9, top_k=50)
     prompt = chat_prompt(target, HELDOUT[0]["prompt"])
     plain, _ = run(Engine(target, sampling=params, seed=7), prompt, 32)
-    for k in (1, 3, 8):
+    for k in (1, 8):
         drafter = make_drafter(method, target, dict(options, draft_model=str(default_model_path())
                                                     if method == "model" else None))
         tokens, stats = run(Engine(target, drafter, num_draft_tokens=k, sampling=params, seed=7, adaptive=False),
