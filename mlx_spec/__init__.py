@@ -39,3 +39,14 @@ def _load_optimized_blas():
 BLAS_PATH = _load_optimized_blas()
 
 __version__ = "0.1.0"
+
+__all__ = ["load", "generate", "stream_generate", "GenerationResponse"]
+
+
+def __getattr__(name):
+    # The Python API (api.py), imported on first use: `import mlx_spec` stays light for the CLI.
+    if name in __all__:
+        from . import api
+
+        return getattr(api, name)
+    raise AttributeError(f"module 'mlx_spec' has no attribute {name!r}")

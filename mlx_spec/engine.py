@@ -4,14 +4,19 @@ A verification step runs the target once over [last committed token, x_1..x_k]. 
 (n accepted drafts, the target's own next token) is computed on the device and read with one
 sync; the target's cache then rolls back by offset to the committed prefix.
 
-`generate` yields events: ("step", proposed, accepted), ("token", token_id, text_segment),
-("text", segment) for text the detokenizer releases only at the end, and finally ("done", Stats).
+`generate` yields events: ("prefill", Stats) once the prompt is in the cache, ("step", proposed,
+accepted), ("token", token_id, text_segment), ("text", segment) for text the detokenizer releases
+only at the end, and finally ("done", Stats) (the same Stats object, complete).
+
+A generator closed at one of its events (a client gone, a `break`) leaves the cache as it is,
+consistent with what was committed, so the next call reuses it.
 """
 
+import copy
 import secrets
 import time
-from dataclasses import asdict, dataclass
-from typing import Iterator, List, Optional, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any, Dict, Iterator, List, Optional, Sequence
 
 import mlx.core as mx
 
@@ -73,45 +78,103 @@ class Stats:
         return d
 
 
+@dataclass
+class Session:
+    """What the engine keeps of one conversation: the target's cache and the tokens in it, and,
+    for drafters that read the target's features, those features at every cached position, so
+    that the drafter can be rebuilt over a session put back without another target pass."""
+    tokens: List[int] = field(default_factory=list)
+    cache: List[Any] = field(default_factory=list)
+    taps: Dict[int, List[mx.array]] = field(default_factory=dict)   # layer -> pieces [1, n, H]
+
+    @property
+    def nbytes(self) -> int:
+        return (sum(c.nbytes for c in self.cache)
+                + sum(piece.nbytes for pieces in self.taps.values() for piece in pieces))
+
+    def copy(self) -> "Session":
+        return Session(list(self.tokens), copy.deepcopy(self.cache),
+                       {layer: list(pieces) for layer, pieces in self.taps.items()})
+
+
 class Engine:
     """One target, one drafter, one KV cache kept across calls (a chat session)."""
 
     def __init__(self, target, drafter: Optional[Drafter] = None, num_draft_tokens: int = 8,
                  sampling: SamplingParams = SamplingParams(), seed: Optional[int] = None,
                  residual: bool = False, adaptive: bool = True, policy: Optional[DraftPolicy] = None,
-                 stop_early: bool = False):
+                 stop_early: bool = False, sessions: bool = False):
         """num_draft_tokens: the most drafts per step; adaptive: the policy decides how many
         (policy.py), else always that many. seed None: a fresh one (reported in the stats, so
         that the output can be repeated). residual: the classic acceptance rule (sampling.py).
         stop_early (adaptive only): drafters that draft one position at a time stop once the
-        next draft would not pay, at the price of a sync per draft."""
+        next draft would not pay, at the price of a sync per draft. sessions: keep what
+        `detach`/`attach` need to switch between conversations (the drafter's taps)."""
         self.target = target
         self.drafter = drafter or NoDrafter()
         self.speculative = not isinstance(self.drafter, NoDrafter)
         self.num_draft_tokens = num_draft_tokens
-        self.sampler = Sampler(sampling.check(target.vocab_size),
-                               secrets.randbits(32) if seed is None else seed, residual)
+        self.sampling = sampling.check(target.vocab_size)   # for calls that give none
+        self.seed = seed   # None: a fresh one now, and per call where the caller wants (api.py)
+        self.sampler = Sampler(self.sampling, secrets.randbits(32) if seed is None else seed, residual)
         self.drafter.sampler = self.sampler   # the drafter draws with the same noise
         self.policy = (policy or DraftPolicy()) if adaptive and self.speculative else None
         self.drafter.keep_drafting = (
             (lambda confidence: self.policy.worth_extending(confidence, len(confidence)))
             if stop_early and self.policy else None)
-        self.cache = make_cache(target.model)
-        self.drafter.target_cache = self.cache
+        self.keep_taps = sessions and bool(self.drafter.taps)
+        self.drafter_stale = False   # True: the drafter's state is of another conversation
+        self.reset()
         if self.speculative:
             check_speculation(self.cache, target.model_type)
         if self.drafter.tree:
             check_tree(self.cache, target.model_type)
-        self.cached_tokens: List[int] = []   # tokens whose K/V are in self.cache, in order
         # Recurrent layers roll back by replaying the last verification pass (cache.Replay).
         self.recurrent = any(is_recurrent(c) for c in self.cache)
+
+    @property
+    def cache(self) -> List[Any]:
+        return self.session.cache
+
+    @property
+    def cached_tokens(self) -> List[int]:
+        """The tokens whose K/V are in the cache, in order."""
+        return self.session.tokens
+
+    @cached_tokens.setter
+    def cached_tokens(self, tokens: List[int]) -> None:
+        self.session.tokens = tokens
+
+    def _attach(self, session: Session) -> None:
+        self.session = session
+        self.drafter.target_cache = session.cache
         self.replay = None
 
     def reset(self) -> None:
-        self.cache = make_cache(self.target.model)
-        self.drafter.target_cache = self.cache
-        self.cached_tokens = []
-        self.replay = None
+        self._attach(Session(cache=make_cache(self.target.model)))
+
+    def detach(self) -> Session:
+        """Hand over the current conversation; the engine starts empty."""
+        session = self.session
+        self.reset()
+        return session
+
+    def attach(self, session: Session) -> None:
+        """Continue a conversation handed over by `detach` (engine(sessions=True), where the
+        drafter reads the target's features); the drafter starts over on it."""
+        if self.drafter.taps and not self.keep_taps:
+            raise MlxSpecError("this engine keeps no sessions: build it with sessions=True")
+        self._attach(session)
+        self.drafter_stale = True
+
+    def copy_session(self) -> Session:
+        return self.session.copy()
+
+    def _record_taps(self, taps: Dict[int, mx.array]) -> None:
+        """Append the features of newly cached positions to the session (engine(sessions=True))."""
+        if self.keep_taps:
+            for layer, h in taps.items():
+                self.session.taps.setdefault(layer, []).append(h)
 
     def _roll_back(self, length: int) -> None:
         """Keep the first `length` cached positions. A cache that cannot drop the rest exactly
@@ -120,6 +183,9 @@ class Engine:
         if length < len(self.cached_tokens) and not rollback_to(self.cache, length, self.replay):
             self.reset()
         self.cached_tokens = self.cached_tokens[:length]
+        if self.keep_taps:
+            self.session.taps = {layer: _first_positions(pieces, length)
+                                 for layer, pieces in self.session.taps.items()}
 
     def _fill(self, tokens: List[int]):
         """Run the target over the tokens not yet cached (in chunks), so that the cache holds
@@ -133,6 +199,7 @@ class Engine:
             for layer, h in taps.items():
                 pieces.setdefault(layer, []).append(h)
             self.cached_tokens += chunk
+            self._record_taps(taps)
         return {layer: mx.concatenate(hs, axis=1) for layer, hs in pieces.items()}
 
     def _select(self, draft, drafted: int, tic: float):
@@ -168,10 +235,12 @@ class Engine:
             path = list(range(n_accepted))
             self.cached_tokens = context + drafts
             self._roll_back(start + 1 + n_accepted)
+            rows = slice(0, n_accepted + 1)
             if len(self.cached_tokens) < start + 1 + n_accepted:
                 # The cache had to start again: fill it with the committed tokens (exact, slow).
                 self._fill(context + drafts[:n_accepted])
-            rows = slice(0, n_accepted + 1)
+            else:
+                self._record_taps({layer: h[:, rows] for layer, h in taps.items()})
         else:
             tree = Tree(draft.parents)
             logits, taps = tree_forward(self.target, inputs, tree, self.cache, self.drafter.taps)
@@ -182,6 +251,7 @@ class Engine:
             path = [node - 1 for node in nodes[1:]]
             self.cached_tokens = context + [drafts[i] for i in path]
             rows = mx.array(nodes)
+            self._record_taps({layer: h[:, rows] for layer, h in taps.items()})
         return drafts, path, next_token, {layer: h[:, rows] for layer, h in taps.items()}
 
     def _step(self, context: List[int], k: int):
@@ -210,19 +280,31 @@ class Engine:
         self._roll_back(start)
         start = len(self.cached_tokens)   # 0 when the cache could not roll back
         taps = self._fill(list(context[:-1]))
+        reused = start
+        if self.drafter_stale:
+            # The drafter starts over on this conversation, from the features the session kept.
+            start, self.drafter_stale = 0, False
+            if self.keep_taps:
+                taps = {layer: mx.concatenate(pieces, axis=1) for layer, pieces in self.session.taps.items()}
         self.drafter.prefill(list(context), taps, start)
-        return start
+        return reused
 
-    def generate(self, prompt: Sequence[int], max_tokens: int = 256,
-                 stop_strings: Sequence[str] = ()) -> Iterator[tuple]:
+    def generate(self, prompt: Sequence[int], max_tokens: int = 256, stop_strings: Sequence[str] = (),
+                 sampling: Optional[SamplingParams] = None, seed: Optional[int] = None) -> Iterator[tuple]:
+        """sampling: this call's settings (default: the engine's); seed: this call's and the
+        next calls' (default: the last one)."""
         prompt = list(prompt)
         self._check(prompt, max_tokens)
+        self.sampler.params = (sampling or self.sampling).check(self.target.vocab_size)
+        if seed is not None:
+            self.sampler.reseed(seed)
         stats = Stats(prompt_tokens=len(prompt), seed=self.sampler.seed)
         if self.policy:
             self.policy.new_text()
         tic = time.perf_counter()
         stats.prompt_cached = self._prefill(prompt)
         stats.prompt_seconds = time.perf_counter() - tic
+        yield ("prefill", stats)
 
         output = _Output(self.target, stop_strings, max_tokens, stats)
         context = list(prompt)      # every committed token; context[-1] is not in the cache yet
@@ -248,6 +330,8 @@ class Engine:
                     if stats.finish_reason:
                         break
             yield from output.flush()
+        except GeneratorExit:   # closed at an event: the cache holds what it says it holds
+            raise
         except BaseException:
             self.reset()   # an interrupted step leaves cache and drafter out of step
             raise
@@ -266,6 +350,18 @@ class Engine:
             raise MlxSpecError(
                 f"prompt ({len(prompt)} tokens) + max tokens ({max_tokens}) exceed the model's "
                 f"context of {limit} tokens")
+
+
+def _first_positions(pieces: List[mx.array], length: int) -> List[mx.array]:
+    """The pieces [1, n_i, H] cut to their first `length` positions in all."""
+    kept, n = [], 0
+    for piece in pieces:
+        if n >= length:
+            break
+        take = min(piece.shape[1], length - n)
+        kept.append(piece if take == piece.shape[1] else piece[:, :take])
+        n += take
+    return kept
 
 
 class _Output:

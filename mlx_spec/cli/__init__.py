@@ -9,6 +9,7 @@ from .bench import bench
 from .chat import chat
 from .convert import convert
 from .generate import generate
+from .serve import serve
 from .train import train
 
 
@@ -34,5 +35,5 @@ def main():
     """Lossless speculative decoding on MLX."""
 
 
-for command in (generate, chat, convert, bench, train):
+for command in (generate, chat, serve, convert, bench, train):
     main.add_command(command)

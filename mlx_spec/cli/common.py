@@ -5,6 +5,7 @@ import sys
 
 import click
 
+from ..api import stats_line  # noqa: F401  (for generate, chat)
 from ..errors import MlxSpecError
 
 
@@ -15,12 +16,16 @@ def model_options(f):
 
     options = [
         click.option("--model", "model_path", default=None,
-                     help="mlx-lm model directory (default: the embedded SmolLM2-135M-Instruct)."),
+                     help="mlx-lm model: a directory or a Hugging Face repo id (default: the embedded "
+                          "SmolLM2-135M-Instruct)."),
+        click.option("--revision", default=None,
+                     help="The model's revision on the Hugging Face hub (branch, tag or commit)."),
         click.option("--dtype", default="auto", show_default=True,
                      help=f"{'|'.join(DTYPES)}. auto: quantized weights on a GPU, float32 on the CPU."),
         click.option("--draft", "method", default="lookup", show_default=True,
                      help=f"Source of drafts: {'|'.join(DRAFTERS)}."),
-        click.option("--draft-model", default=None, help="Drafter checkpoint or draft model directory."),
+        click.option("--draft-model", default=None,
+                     help="Drafter checkpoint or draft model: a directory or a Hugging Face repo id."),
         click.option("--num-draft-tokens", type=click.IntRange(0), default=None,
                      help="Most drafts per step (default per method: "
                           + ", ".join(f"{m} {s.default_draft_tokens}" for m, s in DRAFTERS.items()
@@ -73,53 +78,17 @@ def reports_errors(f):
     return wrapper
 
 
-def load_engine(model_path, dtype, method, draft_model, num_draft_tokens, ngram_max, ngram_min,
-                tree_budget, tree_topk, exit_layer, temp, top_p, top_k, min_p, seed, residual, adaptive, stop_early):
-    from ..drafters import draft_tokens, make_drafter
-    from ..engine import Engine
-    from ..models.target import load_target
-    from ..sampling import SamplingParams
+def load_engine(model_path, revision, dtype, method, draft_model, num_draft_tokens, ngram_max, ngram_min,
+                tree_budget, tree_topk, exit_layer, temp, top_p, top_k, min_p, seed, residual, adaptive,
+                stop_early, sessions=False):
+    from ..api import load
 
-    num_draft_tokens = draft_tokens(method, num_draft_tokens)
-    if model_path is None:
-        from ..models.default import default_model_path
-
-        model_path = default_model_path()
-    target = load_target(model_path, dtype)
-    sampling = SamplingParams(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p).check(target.vocab_size)
-    drafter = make_drafter(method, target, dict(
-        draft_model=draft_model, ngram_max=ngram_max, ngram_min=ngram_min,
-        num_draft_tokens=num_draft_tokens, dtype=dtype, tree_budget=tree_budget, tree_topk=tree_topk,
-        exit_layer=exit_layer))
-    return Engine(target, drafter, num_draft_tokens=num_draft_tokens, sampling=sampling, seed=seed,
-                  residual=residual, adaptive=adaptive, stop_early=stop_early)
-
-
-def count(n: int, noun: str) -> str:
-    return f"{n} {noun}{'' if n == 1 else 's'}"
-
-
-ENDINGS = {"eos": "end of text", "length": "--max-tokens reached, the reply is cut",
-           "stop": "stop string"}
-
-
-def stats_line(stats, speculative: bool = True) -> str:
-    """One line that says what each figure counts: the prompt tokens the cache already held are
-    not in the prompt rate; the end-of-text token is committed by a step but not printed."""
-    cached = f" ({stats.prompt_cached} cached)" if stats.prompt_cached else ""
-    rate = stats.prompt_tokens_per_second
-    prompt = f"prompt: {count(stats.prompt_tokens, 'token')}{cached}" + (f", {rate:.1f} tok/s" if rate else "")
-    eos = " + end of text" if stats.finish_reason == "eos" else ""
-    generated = f"generated: {count(stats.generated_tokens, 'token')}{eos} in {count(stats.steps, 'step')}"
-    if speculative:
-        acceptance = f"{stats.acceptance_rate:.0%}" if stats.proposed else "n/a"
-        generated += (f", {stats.tokens_per_step:.2f} tokens/step, acceptance {acceptance}, "
-                      f"{stats.mean_draft_length:.2f} drafts/step ({stats.plain_steps} plain)")
-    else:
-        generated += " (no drafting)"
-    ending = ENDINGS.get(stats.finish_reason)
-    return (f"{prompt} | {generated}, {stats.tokens_per_second:.1f} tok/s"
-            + (f" | {ending}" if ending else ""))
+    engine, _ = load(model_path, draft=method, draft_model=draft_model, num_draft_tokens=num_draft_tokens,
+                     dtype=dtype, revision=revision, adaptive=adaptive, stop_early=stop_early,
+                     residual_sampling=residual, sessions=sessions, ngram_max=ngram_max, ngram_min=ngram_min,
+                     tree_budget=tree_budget, tree_topk=tree_topk, exit_layer=exit_layer, temp=temp,
+                     top_p=top_p, top_k=top_k, min_p=min_p, seed=seed)
+    return engine
 
 
 def echo_err(text: str, **kwargs) -> None:

@@ -1,0 +1,186 @@
+"""mlx-spec from Python, in mlx-lm's shape:
+
+    from mlx_spec import load, generate, stream_generate
+
+    model, tokenizer = load("mlx-community/Qwen3-4B-4bit", draft="lookup")
+    text = generate(model, tokenizer, prompt, max_tokens=256, verbose=True)
+
+`model` is an `Engine`: the target with its drafter and cache, kept across calls (a chat's next
+turn computes only its new tokens). Model names, directories or Hugging Face repo ids, are
+resolved here, once, for the CLI too."""
+
+import secrets
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, List, Optional, Sequence, Union
+
+from .engine import Engine, Stats
+from .errors import MlxSpecError
+from .hub import resolve
+
+# The finish reasons mlx-lm and the OpenAI API use, for the engine's.
+FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
+
+
+def model_path(path_or_hf_repo: Optional[str] = None, revision: Optional[str] = None) -> Path:
+    """The local directory of a model: the embedded default model when None, a directory, or a
+    Hugging Face repo id (downloaded once into the hub cache)."""
+    if path_or_hf_repo is None:
+        from .models.default import default_model_path
+
+        return default_model_path()
+    return resolve(path_or_hf_repo, revision, "model")
+
+
+def load(path_or_hf_repo: Optional[str] = None, draft: str = "lookup", draft_model: Optional[str] = None,
+         num_draft_tokens: Optional[int] = None, dtype: str = "auto", revision: Optional[str] = None,
+         adaptive: bool = True, stop_early: bool = False, residual_sampling: bool = False,
+         sessions: bool = False, ngram_max: int = 3, ngram_min: int = 1, tree_budget: int = 0,
+         tree_topk: Optional[int] = None, exit_layer: Optional[int] = None, **sampling):
+    """(model, tokenizer): the target (default: the embedded SmolLM2-135M-Instruct) with the
+    draft source `draft` (see mlx_spec.drafters.DRAFTERS; `draft_model`: its checkpoint or draft
+    model, a directory or repo id), adaptive by default. `sampling` (temp, top_p, top_k, min_p,
+    seed) sets the engine's defaults, which each generate call may override."""
+    from .drafters import DRAFTERS, draft_tokens, make_drafter
+    from .models.target import load_target
+
+    num_draft_tokens = draft_tokens(draft, num_draft_tokens)
+    target = load_target(model_path(path_or_hf_repo, revision), dtype)
+    if draft_model and DRAFTERS[draft].uses_draft_model:   # else make_drafter says it is not for this source
+        draft_model = resolve(draft_model, None, "draft model")
+    drafter = make_drafter(draft, target, dict(
+        draft_model=draft_model,
+        ngram_max=ngram_max, ngram_min=ngram_min, num_draft_tokens=num_draft_tokens, dtype=dtype,
+        tree_budget=tree_budget, tree_topk=tree_topk, exit_layer=exit_layer))
+    seed = sampling.pop("seed", None)
+    engine = Engine(target, drafter, num_draft_tokens=num_draft_tokens, sampling=sampling_params(**sampling),
+                    seed=seed, residual=residual_sampling, adaptive=adaptive, stop_early=stop_early,
+                    sessions=sessions)
+    return engine, target.tokenizer
+
+
+def sampling_params(temp: float = 0.0, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0, **unknown):
+    from .sampling import SamplingParams
+
+    if "sampler" in unknown:
+        raise MlxSpecError("mlx-spec samples from the target's distribution itself (exactly, whatever "
+                           "the drafts): pass temp, top_p, top_k, min_p instead of a sampler")
+    if unknown:
+        raise MlxSpecError(f"unknown argument {sorted(unknown)[0]!r}: mlx-spec takes temp, top_p, top_k, "
+                           "min_p, seed, max_tokens, stop")
+    return SamplingParams(temp=float(temp), top_p=float(top_p), top_k=int(top_k), min_p=float(min_p))
+
+
+@dataclass
+class GenerationResponse:
+    """One piece of `stream_generate`'s output: mlx-lm's fields (but logprobs) and the
+    speculative statistics so far. The last response has finish_reason ("stop": end of text or
+    a stop string; "length": max_tokens) and `stats`, the whole record of the generation."""
+    text: str
+    token: Optional[int]           # None only where the reply ended before its first token
+    from_draft: bool               # an accepted draft, not the target's own token
+    prompt_tokens: int
+    prompt_tps: float
+    generation_tokens: int
+    generation_tps: float
+    peak_memory: float             # GB
+    steps: int                     # verification steps so far
+    tokens_per_step: float
+    acceptance_rate: float
+    finish_reason: Optional[str] = None
+    stats: Optional[Stats] = None
+
+
+def _encode(tokenizer, prompt) -> List[int]:
+    if isinstance(prompt, str):
+        # As mlx-lm: a prompt that already starts with the BOS token gets no second one.
+        bos = getattr(tokenizer, "bos_token", None)
+        return tokenizer.encode(prompt, add_special_tokens=bos is None or not prompt.startswith(bos))
+    return [int(t) for t in (prompt.tolist() if hasattr(prompt, "tolist") else prompt)]
+
+
+def stream_generate(model: Engine, tokenizer, prompt: Union[str, Sequence[int]], max_tokens: int = 256,
+                    stop: Sequence[str] = (), seed: Optional[int] = None, **sampling) -> Iterator[GenerationResponse]:
+    """Yield a GenerationResponse per generated token (text segments as they are committed).
+    prompt: text (encoded as is: apply the chat template first for a chat model) or token ids.
+    seed: the same seed gives the same sampled text whatever the draft source (default: a
+    fresh one per call, in the last response's stats)."""
+    import mlx.core as mx
+
+    params = sampling_params(**sampling) if sampling else None
+    seed = secrets.randbits(32) if seed is None and model.seed is None else seed
+    events = model.generate(_encode(tokenizer, prompt), max_tokens=max_tokens, stop_strings=list(stop),
+                            sampling=params, seed=seed)
+    stats, pending, drafted_left = None, None, 0
+    start = time.perf_counter()
+
+    def response(token, text, from_draft):
+        elapsed = time.perf_counter() - start - stats.prompt_seconds
+        return GenerationResponse(
+            text=text, token=token, from_draft=from_draft, prompt_tokens=stats.prompt_tokens,
+            prompt_tps=stats.prompt_tokens_per_second, generation_tokens=stats.generated_tokens,
+            generation_tps=stats.generated_tokens / elapsed if elapsed > 0 else 0.0,
+            peak_memory=mx.get_peak_memory() / 1e9, steps=stats.steps,
+            tokens_per_step=stats.tokens_per_step, acceptance_rate=stats.acceptance_rate)
+
+    # Each response is held until the next event, so that the last one carries the finish reason.
+    for event in events:
+        if event[0] == "prefill":
+            stats = event[1]
+        elif event[0] == "step":
+            drafted_left = event[2]
+        elif event[0] == "token":
+            if pending is not None:
+                yield pending
+            pending = response(event[1], event[2], drafted_left > 0)
+            drafted_left -= 1
+        elif event[0] == "text":
+            pending.text += event[1]
+    if pending is None:
+        pending = response(None, "", False)
+    pending.finish_reason = FINISH_REASONS.get(stats.finish_reason)
+    pending.stats = stats
+    yield pending
+
+
+def generate(model: Engine, tokenizer, prompt: Union[str, Sequence[int]], verbose: bool = False, **kwargs) -> str:
+    """The whole reply as text (kwargs as stream_generate's). verbose: print it as it comes,
+    then the statistics, as mlx_lm.generate does."""
+    text = []
+    for response in stream_generate(model, tokenizer, prompt, **kwargs):
+        text.append(response.text)
+        if verbose:
+            print(response.text, end="", flush=True)
+    if verbose:
+        print()
+        print("=" * 10)
+        print(stats_line(response.stats, model.speculative))
+    return "".join(text)
+
+
+def count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
+ENDINGS = {"eos": "end of text", "length": "--max-tokens reached, the reply is cut",
+           "stop": "stop string"}
+
+
+def stats_line(stats, speculative: bool = True) -> str:
+    """One line that says what each figure counts: the prompt tokens the cache already held are
+    not in the prompt rate; the end-of-text token is committed by a step but not printed."""
+    cached = f" ({stats.prompt_cached} cached)" if stats.prompt_cached else ""
+    rate = stats.prompt_tokens_per_second
+    prompt = f"prompt: {count(stats.prompt_tokens, 'token')}{cached}" + (f", {rate:.1f} tok/s" if rate else "")
+    eos = " + end of text" if stats.finish_reason == "eos" else ""
+    generated = f"generated: {count(stats.generated_tokens, 'token')}{eos} in {count(stats.steps, 'step')}"
+    if speculative:
+        acceptance = f"{stats.acceptance_rate:.0%}" if stats.proposed else "n/a"
+        generated += (f", {stats.tokens_per_step:.2f} tokens/step, acceptance {acceptance}, "
+                      f"{stats.mean_draft_length:.2f} drafts/step ({stats.plain_steps} plain)")
+    else:
+        generated += " (no drafting)"
+    ending = ENDINGS.get(stats.finish_reason)
+    return (f"{prompt} | {generated}, {stats.tokens_per_second:.1f} tok/s"
+            + (f" | {ending}" if ending else ""))

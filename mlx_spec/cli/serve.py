@@ -1,0 +1,57 @@
+import signal
+from pathlib import Path
+
+import click
+
+from .common import echo_err, load_engine, model_options, reports_errors
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+@click.command("serve", short_help="An OpenAI-compatible HTTP server (chat, completions, streaming).")
+@model_options
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address to bind (loopback by default: say 0.0.0.0 to serve the network).")
+@click.option("--port", type=click.IntRange(0, 65535), default=8080, show_default=True,
+              help="Port (0: any free one, printed at start).")
+@click.option("--max-tokens", "-m", type=click.IntRange(1), default=512, show_default=True,
+              help="Most tokens per reply when a request gives no max_tokens.")
+@click.option("--api-key", envvar="MLX_SPEC_API_KEY", default=None,
+              help="Require 'Authorization: Bearer KEY' (also $MLX_SPEC_API_KEY).")
+@click.option("--prompt-cache-size", type=click.IntRange(0), default=10, show_default=True,
+              help="Most conversations kept besides the current one (their caches are reused).")
+@click.option("--prompt-cache-bytes", type=click.IntRange(0), default=1 << 30, show_default=True,
+              help="Most bytes those conversations' caches take.")
+@click.option("--max-body-bytes", type=click.IntRange(1), default=1 << 20, show_default=True,
+              help="Largest request body accepted (413 past it).")
+@reports_errors
+def serve(host, port, max_tokens, api_key, prompt_cache_size, prompt_cache_bytes, max_body_bytes, **options):
+    """Serve the model over the OpenAI API: POST /v1/chat/completions and /v1/completions
+    (streaming too), GET /v1/models and /health. Requests are generated one at a time, each
+    with the --draft source, and a chat's next turn computes only its new tokens."""
+    from ..models.default import DEFAULT_MODEL_NAME
+    from ..server.app import Server
+
+    model = options["model_path"]
+    name = DEFAULT_MODEL_NAME if model is None else (model if not Path(model).exists() else Path(model).resolve().name)
+    try:
+        server = Server((host, port), lambda: load_engine(**options, sessions=True), name, options["method"],
+                        max_tokens=max_tokens,
+                        api_key=api_key, max_body_bytes=max_body_bytes, max_sessions=prompt_cache_size,
+                        max_cache_bytes=prompt_cache_bytes, log=echo_err)
+    except OSError as e:
+        raise click.ClickException(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    bound_host, bound_port = server.server_address[:2]
+    echo_err(f"mlx-spec serve: {name} (--draft {options['method']}) on http://{bound_host}:{bound_port}/v1"
+             f"{' (API key required)' if api_key else ''}; Ctrl-C stops")
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        server.serve_forever(poll_interval=0.2)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.shutdown_worker()
+        server.server_close()
+    echo_err("mlx-spec serve: stopped")

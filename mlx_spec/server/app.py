@@ -1,0 +1,337 @@
+"""An OpenAI-compatible HTTP server over the engine.
+
+The standard library's ThreadingHTTPServer, as mlx_lm.server uses: the work is one generation
+at a time on one engine (its cache is the prompt cache), so an asynchronous stack would add a
+dependency and buy nothing. One thread per connection parses and checks the request, then
+queues it; one worker thread owns the engine and generates for the queued requests in turn,
+handing each its responses through a queue of its own, so two requests' tokens never mix.
+A client that disconnects is noticed at the next token (or within 50 ms while it waits) and its
+generation stops within a step."""
+
+import hmac
+import json
+import queue
+import select
+import socket
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Optional
+
+from .. import __version__
+from ..api import count, stream_generate
+from ..errors import MlxSpecError
+from ..models.checkpoint import one_line
+from .protocol import Reply, Request, RequestError, parse, usage
+from .sessions import SessionCache
+
+POLL_SECONDS = 0.05
+
+
+class Job:
+    """One queued request: the prompt's tokens and settings in; responses out through `events`."""
+
+    def __init__(self, request: Request, tokens, max_tokens: int):
+        self.request, self.tokens, self.max_tokens = request, tokens, max_tokens
+        self.events: "queue.Queue" = queue.Queue()
+        self.cancelled = threading.Event()
+
+
+class Worker(threading.Thread):
+    """Owns the engine: loads it (MLX's streams belong to the thread that made them, as in
+    mlx_lm.server), then generates for one job at a time, in the order they came."""
+
+    def __init__(self, load, max_sessions: int, max_cache_bytes: int, log):
+        super().__init__(name="mlx-spec-worker", daemon=True)
+        self.load, self.max_sessions, self.max_cache_bytes, self.log = load, max_sessions, max_cache_bytes, log
+        self.jobs: "queue.Queue" = queue.Queue()
+        self.stopping = threading.Event()
+        self.loaded = threading.Event()
+        self.load_error: Optional[MlxSpecError] = None
+
+    def start_engine(self):
+        """Start the thread and wait for the engine; its loading error, if any, is raised here."""
+        self.start()
+        self.loaded.wait()
+        if self.load_error is not None:
+            raise self.load_error
+        return self.engine
+
+    def run(self):
+        try:
+            self.engine = self.load()
+        except MlxSpecError as e:
+            self.load_error = e
+        except Exception as e:
+            self.load_error = MlxSpecError(f"cannot load the model: {one_line(e)}")
+        if self.load_error is not None:
+            self.loaded.set()
+            return
+        self.tokenizer = self.engine.target.tokenizer
+        self.sessions = SessionCache(self.engine, self.max_sessions, self.max_cache_bytes)
+        self.loaded.set()
+        while not self.stopping.is_set():
+            job = self.jobs.get()
+            if job is None:
+                break
+            if not job.cancelled.is_set():
+                self._generate(job)
+            job.events.put(("end",))
+        while True:   # stopped: whoever still waits is told so
+            try:
+                job = self.jobs.get_nowait()
+            except queue.Empty:
+                return
+            if job is not None:
+                job.events.put(("error", RequestError(503, "the server is shutting down", kind="server_error")))
+                job.events.put(("end",))
+
+    def _generate(self, job: Job) -> None:
+        request = job.request
+        try:
+            self.sessions.prepare(job.tokens)
+            for response in stream_generate(self.engine, self.tokenizer, job.tokens, max_tokens=job.max_tokens,
+                                            stop=request.stop, seed=request.seed, **request.sampling):
+                job.events.put(("response", response))
+                if job.cancelled.is_set() or self.stopping.is_set():
+                    self.log("client gone: generation stopped" if job.cancelled.is_set() else "stopped")
+                    return   # closes the generator at this token: the cache stays consistent
+        except MlxSpecError as e:
+            job.events.put(("error", RequestError(400, str(e))))
+        except Exception as e:   # never a traceback to the client; the server keeps serving
+            self.log(f"error: {type(e).__name__}: {one_line(e)}")
+            job.events.put(("error", RequestError(500, f"generation failed: {one_line(e)}", kind="server_error")))
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self.jobs.put(None)
+
+
+class Server(ThreadingHTTPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+
+    def __init__(self, address, load, model_name: str, method: str, max_tokens: int = 512,
+                 api_key: Optional[str] = None, max_body_bytes: int = 1 << 20, max_sessions: int = 10,
+                 max_cache_bytes: int = 1 << 30, log=None):
+        """load: () -> Engine, called on the worker thread (errors raised here, before serving)."""
+        super().__init__(address, Handler)
+        self.model_name, self.method = model_name, method
+        self.max_tokens, self.api_key, self.max_body_bytes = max_tokens, api_key, max_body_bytes
+        self.log = log or (lambda line: print(line, file=sys.stderr, flush=True))
+        self.worker = Worker(load, max_sessions, max_cache_bytes, self.log)
+        try:
+            self.engine = self.worker.start_engine()
+        except BaseException:
+            self.server_close()
+            raise
+        self.tokenizer, self.sessions = self.worker.tokenizer, self.worker.sessions
+
+    def shutdown_worker(self) -> None:
+        self.worker.stop()
+        self.worker.join(timeout=10)
+
+    def tokens_for(self, request: Request):
+        """The prompt's token ids (the chat template applied to messages)."""
+        tokenizer = self.tokenizer
+        if request.chat:
+            if not getattr(tokenizer, "chat_template", None):
+                raise RequestError(400, "the served model has no chat template: use /v1/completions",
+                                   "messages")
+            try:
+                return list(tokenizer.apply_chat_template(request.messages, add_generation_prompt=True))
+            except Exception as e:   # a template that rejects the conversation (roles, order)
+                raise RequestError(400, f"the chat template rejects these messages: {one_line(e)}",
+                                   "messages") from None
+        if isinstance(request.prompt, list):
+            if max(request.prompt) >= self.engine.target.vocab_size:
+                raise RequestError(400, f"'prompt' has a token id past the vocabulary "
+                                        f"({self.engine.target.vocab_size})", "prompt")
+            return request.prompt
+        return list(tokenizer.encode(request.prompt))
+
+
+class Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server_version = f"mlx-spec/{__version__}"
+    server: Server
+
+    def log_message(self, format, *args):   # one line per request is written by _log instead
+        pass
+
+    def _log(self, status: int, extra: str = "") -> None:
+        self.server.log(f"{self.command} {self.path} {status}{' ' + extra if extra else ''}")
+
+    # --- replies -----------------------------------------------------------------------
+    def _send_json(self, status: int, obj: dict) -> None:
+        body = json.dumps(obj).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def _send_error(self, error: RequestError) -> None:
+        self._send_json(error.status, error.body())
+        self._log(error.status, error.message)
+
+    def _sse(self, obj) -> None:
+        data = obj if isinstance(obj, str) else json.dumps(obj)
+        self.wfile.write(f"data: {data}\n\n".encode())
+        self.wfile.flush()
+
+    def _client_gone(self) -> bool:
+        """Whether the client closed its connection (a readable socket with nothing to read)."""
+        try:
+            readable, _, _ = select.select([self.connection], [], [], 0)
+            return bool(readable) and self.connection.recv(1, socket.MSG_PEEK) == b""
+        except (OSError, ValueError):
+            return True
+
+    # --- routes ------------------------------------------------------------------------
+    def do_GET(self):
+        self._route({"/health": self._health, "/v1/models": self._models})
+
+    def do_POST(self):
+        self._route({"/v1/chat/completions": lambda: self._complete(chat=True),
+                     "/v1/completions": lambda: self._complete(chat=False)})
+
+    def _route(self, routes) -> None:
+        path = self.path.split("?", 1)[0].rstrip("/")
+        try:
+            if path not in routes:
+                raise RequestError(404, f"no route {self.command} {path}", code="not_found")
+            if path != "/health":
+                self._authorize()
+            routes[path]()
+        except RequestError as e:
+            self.close_connection = True
+            self._send_error(e)
+        except (BrokenPipeError, ConnectionResetError):
+            self.close_connection = True
+
+    def _authorize(self) -> None:
+        key = self.server.api_key
+        if key is None:
+            return
+        given = self.headers.get("Authorization", "")
+        if not (given.startswith("Bearer ") and hmac.compare_digest(given[7:].encode(), key.encode())):
+            raise RequestError(401, "a valid API key is required: 'Authorization: Bearer KEY'",
+                               code="invalid_api_key")
+
+    def _health(self) -> None:
+        sessions = self.server.sessions
+        self._send_json(200, {"status": "ok", "model": self.server.model_name, "draft": self.server.method,
+                              "queued": self.server.worker.jobs.qsize(),
+                              "prompt_cache": {"sessions": len(sessions.stored), "bytes": sessions.nbytes,
+                                               "max_bytes": sessions.max_bytes}})
+
+    def _models(self) -> None:
+        self._send_json(200, {"object": "list", "data": [
+            {"id": self.server.model_name, "object": "model", "created": 0, "owned_by": "mlx-spec"}]})
+        self._log(200)
+
+    def _read_body(self):
+        length = self.headers.get("Content-Length")
+        if length is None or not length.isdigit():
+            raise RequestError(411 if length is None else 400, "the request needs a Content-Length")
+        if int(length) > self.server.max_body_bytes:
+            raise RequestError(413, f"the request body is over {self.server.max_body_bytes} bytes",
+                               code="request_too_large")
+        raw = self.rfile.read(int(length))
+        try:
+            return json.loads(raw)
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise RequestError(400, f"the request body is not valid JSON: {one_line(e)}") from None
+
+    def _complete(self, chat: bool) -> None:
+        server = self.server
+        request = parse(self._read_body(), chat)
+        model = request.model
+        if model is not None and model != server.model_name:
+            raise RequestError(404, f"model {model!r} is not served here (this server serves "
+                                    f"{server.model_name!r})", "model", "model_not_found")
+        tokens = server.tokens_for(request)
+        limit = server.engine.target.context_length
+        room = None if limit is None else limit - len(tokens)
+        if room is not None and room < 1:
+            raise RequestError(400, f"the prompt ({len(tokens)} tokens) fills the model's context of {limit} "
+                                    "tokens", "messages" if chat else "prompt", "context_length_exceeded")
+        if request.max_tokens is not None and room is not None and request.max_tokens > room:
+            raise RequestError(400, f"the prompt ({len(tokens)} tokens) + max_tokens ({request.max_tokens}) "
+                                    f"exceed the model's context of {limit} tokens", "max_tokens",
+                               "context_length_exceeded")
+        max_tokens = request.max_tokens or min(server.max_tokens, room or server.max_tokens)
+        job = Job(request, tokens, max_tokens)
+        server.worker.jobs.put(job)
+        try:
+            (self._stream if request.stream else self._whole)(job, Reply(request, server.model_name))
+        finally:
+            job.cancelled.set()   # whatever ended the reply, the worker stops at its next token
+
+    def _events(self, job: Job):
+        """The job's events, until its end; stops early (cancelling it) if the client leaves."""
+        while True:
+            try:
+                event = job.events.get(timeout=POLL_SECONDS)
+            except queue.Empty:
+                if self._client_gone():
+                    job.cancelled.set()
+                    return
+                continue
+            if event[0] == "end":
+                return
+            yield event
+            if job.cancelled.is_set():
+                return
+
+    def _whole(self, job: Job, reply: Reply) -> None:
+        pieces, last = [], None
+        for event in self._events(job):
+            if event[0] == "error":
+                raise event[1]
+            pieces.append(event[1].text)
+            last = event[1]
+        if last is None or last.finish_reason is None:   # the client left
+            self.close_connection = True
+            return
+        self._send_json(200, reply.whole("".join(pieces), last.finish_reason,
+                                         usage(last.stats, self.server.method)))
+        self._log(200, _summary(last.stats))
+
+    def _stream(self, job: Job, reply: Reply) -> None:
+        started = False
+        try:
+            for event in self._events(job):
+                if event[0] == "error":
+                    if not started:
+                        raise event[1]
+                    self._sse(event[1].body())   # mid-stream: the error as the last event
+                    break
+                response = event[1]
+                if not started:
+                    self.send_response(200)
+                    self.send_header("Content-Type", "text/event-stream")
+                    self.send_header("Cache-Control", "no-cache")
+                    self.send_header("Connection", "close")
+                    self.end_headers()
+                    self.close_connection = True
+                    started = True
+                    if reply.chat:
+                        self._sse(reply.chunk(first=True))
+                if response.text:
+                    self._sse(reply.chunk(response.text))
+                if response.finish_reason is not None:
+                    self._sse(reply.chunk(finish_reason=response.finish_reason))
+                    if job.request.include_usage:
+                        self._sse(reply.usage_chunk(usage(response.stats, self.server.method)))
+                    self._sse("[DONE]")
+                    self._log(200, "stream " + _summary(response.stats))
+        except (BrokenPipeError, ConnectionResetError):
+            job.cancelled.set()
+            self.close_connection = True
+
+
+def _summary(stats) -> str:
+    return (f"prompt {stats.prompt_tokens} ({stats.prompt_cached} cached), {count(stats.generated_tokens, 'token')}, "
+            f"{stats.tokens_per_step:.2f} tokens/step, {stats.tokens_per_second:.1f} tok/s")
