@@ -33,6 +33,16 @@ def model_path(path_or_hf_repo: Optional[str] = None, revision: Optional[str] = 
     return resolve(path_or_hf_repo, revision, "model")
 
 
+def draft_model_path(method: str, draft_model: Optional[str]) -> Optional[str]:
+    """The local directory of `draft_model` for --draft `method` (as given where the source
+    takes none: make_drafter then says so)."""
+    from .drafters import DRAFTERS, check_method
+
+    if draft_model and DRAFTERS[check_method(method)].uses_draft_model:
+        return str(resolve(draft_model, None, "draft model"))
+    return draft_model
+
+
 def load(path_or_hf_repo: Optional[str] = None, draft: str = "lookup", draft_model: Optional[str] = None,
          num_draft_tokens: Optional[int] = None, dtype: str = "auto", revision: Optional[str] = None,
          adaptive: bool = True, stop_early: bool = False, residual_sampling: bool = False,
@@ -42,15 +52,13 @@ def load(path_or_hf_repo: Optional[str] = None, draft: str = "lookup", draft_mod
     draft source `draft` (see mlx_spec.drafters.DRAFTERS; `draft_model`: its checkpoint or draft
     model, a directory or repo id), adaptive by default. `sampling` (temp, top_p, top_k, min_p,
     seed) sets the engine's defaults, which each generate call may override."""
-    from .drafters import DRAFTERS, draft_tokens, make_drafter
+    from .drafters import draft_tokens, make_drafter
     from .models.target import load_target
 
     num_draft_tokens = draft_tokens(draft, num_draft_tokens)
     target = load_target(model_path(path_or_hf_repo, revision), dtype)
-    if draft_model and DRAFTERS[draft].uses_draft_model:   # else make_drafter says it is not for this source
-        draft_model = resolve(draft_model, None, "draft model")
     drafter = make_drafter(draft, target, dict(
-        draft_model=draft_model,
+        draft_model=draft_model_path(draft, draft_model),
         ngram_max=ngram_max, ngram_min=ngram_min, num_draft_tokens=num_draft_tokens, dtype=dtype,
         tree_budget=tree_budget, tree_topk=tree_topk, exit_layer=exit_layer))
     seed = sampling.pop("seed", None)

@@ -7,14 +7,17 @@ from .common import echo_err, reports_errors
 
 
 @click.command("bench", short_help="Time draft methods against plain mlx-lm, per prompt category.")
-@click.option("--model", "model_path", default=None, help="mlx-lm model directory (default: the embedded model).")
+@click.option("--model", "model_path", default=None,
+              help="mlx-lm model: a directory or a Hugging Face repo id (default: the embedded model).")
+@click.option("--revision", default=None, help="The model's revision on the Hugging Face hub.")
 @click.option("--dtype", default="auto", show_default=True, help="auto|float32|float16|bfloat16|keep.")
 @click.option("--prompts", default=None, help="JSONL: {\"prompt\"} or {\"question_id\", \"category\", \"turns\"}.")
 @click.option("--category", "categories", multiple=True, help="Only these categories (repeatable).")
 @click.option("--methods", default="none,lookup", show_default=True,
               help=f"Comma-separated draft methods: {', '.join(DRAFTERS)}.")
 @click.option("--draft-model", "draft_models", multiple=True,
-              help="METHOD=PATH (or PATH for every method that needs one); repeatable.")
+              help="METHOD=PATH (or PATH for every method that needs one; a directory or a repo id); "
+                   "repeatable.")
 @click.option("--num-draft-tokens", type=click.IntRange(0), default=None,
               help="Most drafts per step, for every method (default: each method's own).")
 @click.option("--tree-budget", type=click.IntRange(0, 512), default=0, show_default=True,
@@ -42,10 +45,12 @@ from .common import echo_err, reports_errors
 @click.option("--markdown", "markdown_path", default=None, help="Write the table as Markdown here.")
 @click.option("--plot", "plot_path", default=None, help="Write a PNG plot here (needs matplotlib).")
 @reports_errors
-def bench(model_path, dtype, prompts, categories, methods, draft_models, num_draft_tokens,
+def bench(model_path, revision, dtype, prompts, categories, methods, draft_models, num_draft_tokens,
           tree_budget, tree_topk, exit_layer, max_tokens, repeats, temp, top_p, seed, stop_early, adaptive, residual, json_path, markdown_path, plot_path):
     """Time draft methods side by side with plain mlx_lm.stream_generate."""
     from .. import bench as harness
+    from ..api import draft_model_path
+    from ..api import model_path as resolve_model
     from ..drafters import draft_tokens, make_drafter
     from ..engine import Engine
     from ..errors import MlxSpecError
@@ -70,16 +75,13 @@ def bench(model_path, dtype, prompts, categories, methods, draft_models, num_dra
         else:
             paths.update({name: spec for name in names})
     items = harness.load_prompts(prompts, categories)
-    if model_path is None:
-        from ..models.default import default_model_path
-
-        model_path = default_model_path()
-    target = load_target(model_path, dtype)
+    target = load_target(resolve_model(model_path, revision), dtype)
     sampling = SamplingParams(temp=temp, top_p=top_p).check(target.vocab_size)
     engines, lengths = {}, {}
     for name in names:
         lengths[name] = draft_tokens(name, num_draft_tokens)
-        drafter = make_drafter(name, target, dict(draft_model=paths.get(name), num_draft_tokens=lengths[name],
+        drafter = make_drafter(name, target, dict(draft_model=draft_model_path(name, paths.get(name)),
+                                                  num_draft_tokens=lengths[name],
                                                   dtype=dtype, tree_budget=tree_budget, tree_topk=tree_topk,
                                                   exit_layer=exit_layer))
         engines[name] = Engine(target, drafter, num_draft_tokens=lengths[name], sampling=sampling, seed=seed,

@@ -4,7 +4,8 @@ import sys
 import click
 
 from ..errors import MlxSpecError
-from .common import echo_err, load_engine, model_options, reports_errors, stats_line, stream
+from ..api import stats_line
+from .common import echo_err, load_engine, model_options, reports_errors, stream
 
 COMMANDS = {
     "/help": "list these commands",

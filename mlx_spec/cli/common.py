@@ -5,7 +5,6 @@ import sys
 
 import click
 
-from ..api import stats_line  # noqa: F401  (for generate, chat)
 from ..errors import MlxSpecError
 
 

@@ -3,7 +3,8 @@ import sys
 
 import click
 
-from .common import echo_err, load_engine, model_options, reports_errors, stats_line, stream
+from ..api import stats_line
+from .common import echo_err, load_engine, model_options, reports_errors, stream
 
 
 def encode_prompt(tokenizer, prompt: str, system, use_chat_template: bool):

@@ -1,4 +1,5 @@
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import click
@@ -12,7 +13,8 @@ def train():
 
 
 @train.command("data", short_help="Answer assembled prompts with the target (resumable).")
-@click.option("--target", "model_path", default=None, help="Target model directory (default: the embedded model).")
+@click.option("--target", "model_path", default=None,
+              help="Target model: a directory or a Hugging Face repo id (default: the embedded model).")
 @click.option("--out", "out_dir", required=True, help="Output directory (train.jsonl, heldout.jsonl).")
 @click.option("--limit", type=click.IntRange(1), default=None, help="Use only the first N prompts.")
 @click.option("--max-tokens", type=click.IntRange(1), default=256, show_default=True, help="Longest response.")
@@ -26,14 +28,11 @@ def train():
 @reports_errors
 def data(model_path, out_dir, limit, max_tokens, batch_size, temp, dtype, seed):
     """Answer assembled prompts with the target; resumable, with a held-out split."""
+    from ..api import model_path as resolve_model
     from ..models.target import load_target
     from ..train.data import build_prompts, generate_data
 
-    if model_path is None:
-        from ..models.default import default_model_path
-
-        model_path = default_model_path()
-    target = load_target(model_path, dtype)
+    target = load_target(resolve_model(model_path), dtype)
     total = len(build_prompts(seed)[:limit])
     with click.progressbar(length=total, label="answering", file=sys.stderr) as bar:
         counts = generate_data(target, out_dir, limit=limit, max_tokens=max_tokens, batch_size=batch_size,
@@ -58,7 +57,7 @@ def training_options(f):
     """What every `train` command shares."""
     options = [
         click.option("--target", "model_path", default=None,
-                     help="Target model directory (default: the embedded model)."),
+                     help="Target model: a directory or a Hugging Face repo id (default: the embedded model)."),
         click.option("--data", "data_dir", required=True, help="Output of `mlx-spec train data`."),
         click.option("--out", "out_dir", required=True,
                      help="Drafter directory: the published checkpoint, checkpoint/ (to resume), "
@@ -79,7 +78,8 @@ def training_options(f):
                      help="Checkpoint every N steps (0: only at the end)."),
         click.option("--resume", is_flag=True, help="Continue from OUT/checkpoint."),
         click.option("--init", "init_dir", default=None,
-                     help="Start from this published drafter's weights (e.g. a shipped one); "
+                     help="Start from this published drafter's weights (a directory or a repo id, e.g. a "
+                          "shipped one); "
                           "its shape and taps win over the shape options."),
         click.option("--max-minutes", type=click.FloatRange(0), default=0, show_default=True,
                      help="Stop after this many minutes of training, checkpointed (0: no limit); "
@@ -131,16 +131,16 @@ class _Bars:
 
 
 def _run_training(label, train_fn, options, model_path, data_dir, out_dir, dtype, resume, feature_cache):
+    from ..api import model_path as resolve_model
+    from ..hub import resolve
     from ..models.target import load_target
     from ..train.loop import load_sequences, resume_step, used_indices
 
     sequences = load_sequences(data_dir, options.max_length)   # data errors before the target loads
     start = resume_step(out_dir, resume) if Path(out_dir).is_dir() else 0
-    if model_path is None:
-        from ..models.default import default_model_path
-
-        model_path = default_model_path()
-    target = load_target(model_path, dtype)
+    target = load_target(resolve_model(model_path), dtype)
+    if options.init:
+        options = replace(options, init=str(resolve(options.init, None, "drafter")))
     n = len(used_indices(len(sequences), options.batch_size, start, options.steps, options.seed))
     bars = _Bars(n, options.steps, start, label)
     try:

@@ -1,0 +1,364 @@
+"""Load on OpenAI-compatible servers: `mlx-spec serve --draft X` against mlx_lm.server on the
+same weights, at several numbers of concurrent clients.
+
+Each held-out prompt (its `prompt`, or the first of its `turns`, as one user message) goes as a
+streamed POST /v1/chat/completions (stream_options.include_usage; a `seed` per prompt when
+--temperature > 0). N client threads take prompts from a shared list until every prompt has
+gone once per level (--repeats times). Per request: time to the first non-empty content delta
+(TTFT), completion tokens (the usage chunk; delta count where a server sends none), total time,
+text. Per config and level: median TTFT, median decode tok/s (completion tokens / (total - TTFT),
+so queueing shows in TTFT, not here), aggregate tok/s (all completion tokens / the level's wall
+time), and how many outputs equal the config's own concurrency-1 output and mlx_lm.server's
+concurrency-1 output for the same prompt (greedy text should match across servers: counted).
+
+Fairness:
+- one server runs at a time (start, warm up with one short request, all levels, SIGTERM), so
+  they never share the CPU cores;
+- both serve one float32 directory (default_model_path(dtype="float32")): mlx-spec runs the
+  target in float32 on the CPU anyway (--dtype auto dequantizes the 4-bit default);
+- mlx_lm.server starts through `import mlx_spec` first, which loads OpenBLAS before mlx.core
+  (a plain `python -m mlx_lm.server` keeps MLX's reference BLAS, several times slower);
+- mlx_lm.server's batching (--decode-concurrency, --prompt-concurrency) is left at its
+  defaults; it batches only requests without a `seed`, so at --temperature > 0 it serves one at
+  a time. mlx-spec serve generates one request at a time;
+- both keep prompt caches at their defaults: a prompt repeated at a later level may find its
+  prefix cached (usage.prompt_tokens_details.cached_tokens, summed in --json).
+
+    .venv/bin/python benchmarks/serve_load.py --concurrency 1,2,4,8 --max-tokens 64 [--json out.json]
+    .venv/bin/python benchmarks/serve_load.py --concurrency 1,2 --max-tokens 8 --limit 2 --configs mlx_lm,lookup
+"""
+
+import argparse
+import http.client
+import json
+import os
+import queue
+import re
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PROMPTS = Path(__file__).resolve().parent / "heldout_prompts.jsonl"
+MLX_SPEC = Path(sys.executable).with_name("mlx-spec")   # the venv's console script
+READY = re.compile(r"mlx-spec serve: .* on http://127\.0\.0\.1:(\d+)/v1")
+# mlx_lm.server behind `import mlx_spec` (OpenBLAS first); its arguments follow in sys.argv.
+MLX_LM = "import mlx_spec, sys; sys.argv = ['mlx_lm.server', *sys.argv[1:]]; from mlx_lm.server import main; main()"
+
+
+def load_prompts(limit):
+    rows = [json.loads(line) for line in PROMPTS.read_text().splitlines() if line.strip()]
+    return [row["prompt"] if "prompt" in row else row["turns"][0] for row in rows][:limit]
+
+
+def free_port():
+    with socket.socket() as s:   # bound then closed: the port is free a moment later
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """A server in a session of its own (a Ctrl-C here does not reach it: stop() does), its
+    output drained on a thread (a full pipe would block it), the last lines kept for errors."""
+
+    def __init__(self, name, argv, port=None):
+        self.name, self.port = name, port
+        self.lines = deque(maxlen=30)
+        self.ready_line = threading.Event()
+        self.proc = subprocess.Popen(argv, cwd=ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True, errors="replace",
+                                     start_new_session=True)
+        threading.Thread(target=self._drain, daemon=True).start()
+
+    def _drain(self):
+        for line in self.proc.stdout:
+            self.lines.append(line.rstrip())
+            match = READY.search(line)
+            if match and self.port is None:
+                self.port = int(match.group(1))
+                self.ready_line.set()
+        self.ready_line.set()   # exited
+
+    def fail(self, why):
+        tail = "\n  ".join(self.lines)
+        raise RuntimeError(f"{self.name}: {why}; its last output:\n  {tail}")
+
+    def wait_ready(self, timeout):
+        """Until GET /health answers 200 (mlx-spec: once it has printed its port)."""
+        deadline = time.monotonic() + timeout
+        if self.port is None:   # mlx-spec: --port 0, the port comes in its ready line
+            self.ready_line.wait(timeout)
+            if self.port is None:
+                self.fail(f"no ready line within {timeout} s" if self.proc.poll() is None
+                          else f"exited with status {self.proc.returncode}")
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                self.fail(f"exited with status {self.proc.returncode}")
+            try:
+                if self.port is not None and get_json(self.port, "/health", 5)[0] == 200:
+                    return
+            except OSError:   # not listening yet
+                pass
+            time.sleep(0.5)
+        self.fail(f"/health not up within {timeout} s")
+
+    def stop(self, timeout=30):
+        if self.proc.poll() is None:
+            self.proc.terminate()   # both stop on SIGTERM
+            try:
+                self.proc.wait(timeout)
+                return
+            except subprocess.TimeoutExpired:
+                print(f"{self.name}: still running {timeout} s after SIGTERM: killed", file=sys.stderr)
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)   # the whole session: nothing left behind
+        except ProcessLookupError:
+            pass
+        self.proc.wait(10)
+
+
+def start_server(config, model_dir, args):
+    if config == "mlx_lm":
+        port = free_port()
+        argv = [sys.executable, "-c", MLX_LM, "--model", str(model_dir), "--host", "127.0.0.1",
+                "--port", str(port), "--max-tokens", str(args.max_tokens)]
+        return ServerProcess("mlx_lm.server", argv, port)
+    argv = [str(MLX_SPEC), "serve", "--host", "127.0.0.1", "--port", "0", "--model", str(model_dir),
+            "--draft", config, "--max-tokens", str(args.max_tokens)]
+    return ServerProcess(f"mlx-spec serve --draft {config}", argv)
+
+
+def get_json(port, path, timeout):
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        conn.request("GET", path)
+        response = conn.getresponse()
+        body = response.read()
+        try:
+            return response.status, json.loads(body)
+        except ValueError:
+            return response.status, None
+    finally:
+        conn.close()
+
+
+def served_model(port, model_dir):
+    """The id to send as `model`: mlx-spec's one model; mlx_lm.server's id of the directory (it
+    lists the Hugging Face cache too, and answers an empty body when there is none). None: omit
+    the field (mlx_lm.server then uses the model it was started with)."""
+    status, body = get_json(port, "/v1/models", 30)
+    served = [m["id"] for m in (body or {}).get("data", [])] if status == 200 else []
+    return str(model_dir) if str(model_dir) in served else (served[0] if len(served) == 1 else None)
+
+
+def stream_chat(port, body, timeout):
+    """One streamed chat completion, read line by line as the SSE events come."""
+    result = dict(ttft=None, total=None, text="", tokens=0, deltas=0, usage=None, error=None)
+    pieces = []
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    start = time.perf_counter()
+    try:
+        conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
+        response = conn.getresponse()
+        if response.status != 200:
+            result["error"] = f"HTTP {response.status}: {response.read(500).decode(errors='replace')}"
+            return result
+        done = False
+        while not done:
+            if time.perf_counter() - start > timeout:
+                result["error"] = f"not done within {timeout} s"
+                break
+            line = response.readline()
+            if not line:
+                result["error"] = "the stream ended without data: [DONE]"
+                break
+            line = line.strip()
+            if not line.startswith(b"data:"):
+                continue   # blank separators, comments
+            data = line[5:].strip()
+            if data == b"[DONE]":
+                done = True
+                break
+            event = json.loads(data)
+            if "error" in event:
+                result["error"] = f"mid-stream error: {event['error']}"
+            for choice in event.get("choices") or []:
+                content = (choice.get("delta") or {}).get("content")
+                if content:
+                    if result["ttft"] is None:
+                        result["ttft"] = time.perf_counter() - start
+                    pieces.append(content)
+                    result["deltas"] += 1
+            if event.get("usage"):
+                result["usage"] = event["usage"]
+    except (OSError, http.client.HTTPException, ValueError) as e:
+        result["error"] = f"{type(e).__name__}: {e}"
+    finally:
+        conn.close()
+        result["total"] = time.perf_counter() - start
+    result["text"] = "".join(pieces)
+    usage = result["usage"] or {}
+    result["tokens"] = usage.get("completion_tokens", result["deltas"])
+    return result
+
+
+def request_body(model, prompt, index, args, max_tokens=None):
+    body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens or args.max_tokens,
+            "temperature": args.temperature, "stream": True, "stream_options": {"include_usage": True}}
+    if model is not None:
+        body["model"] = model
+    if args.temperature > 0:
+        body["seed"] = args.seed + index   # reproducible per prompt, different across prompts
+    return body
+
+
+def run_level(port, model, prompts, concurrency, args):
+    """(results in job order, wall seconds): each prompt --repeats times, N clients sharing the list."""
+    jobs = [i for _ in range(args.repeats) for i in range(len(prompts))]
+    todo = queue.Queue()
+    for j in range(len(jobs)):
+        todo.put(j)
+    results = [None] * len(jobs)
+
+    def client():
+        while True:
+            try:
+                j = todo.get_nowait()
+            except queue.Empty:
+                return
+            results[j] = stream_chat(port, request_body(model, prompts[jobs[j]], jobs[j], args), args.timeout)
+
+    threads = [threading.Thread(target=client, daemon=True) for _ in range(concurrency)]
+    start = time.perf_counter()
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + args.timeout * (-(-len(jobs) // concurrency) + 1)   # each request is bounded
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+    wall = time.perf_counter() - start
+    missing = dict(ttft=None, total=None, text="", tokens=0, deltas=0, usage=None, error="client still waiting")
+    return [r or dict(missing) for r in results], wall, jobs
+
+
+def run_config(config, model_dir, prompts, args):
+    """{concurrency: level} for one server, started and stopped here."""
+    server = start_server(config, model_dir, args)
+    try:
+        server.wait_ready(args.start_timeout)
+        model = served_model(server.port, model_dir)
+        warm = stream_chat(server.port, request_body(model, "Hello!", 0, args, max_tokens=4), args.start_timeout)
+        if warm["error"]:
+            server.fail(f"warm-up failed: {warm['error']}")
+        levels = {}
+        for concurrency in args.concurrency:
+            results, wall, jobs = run_level(server.port, model, prompts, concurrency, args)
+            levels[concurrency] = dict(results=results, wall=wall, jobs=jobs)
+            errors = [r["error"] for r in results if r["error"]]
+            print(f"{config} x{concurrency}: {len(results)} requests in {wall:.1f} s"
+                  + (f", {len(errors)} failed (first: {errors[0]})" if errors else ""), file=sys.stderr)
+        return dict(model=model, levels=levels)
+    finally:
+        server.stop()
+
+
+def summarize(config, concurrency, level, own_c1, mlx_lm_c1):
+    ok = [r for r in level["results"] if not r["error"] and r["ttft"] is not None]
+    decode = [r["tokens"] / (r["total"] - r["ttft"]) for r in ok if r["total"] > r["ttft"]]
+
+    def same(reference):
+        if reference is None:
+            return "n/a"
+        pairs = [(r, reference[i]) for r, i in zip(level["results"], level["jobs"]) if i in reference]
+        return f"{sum(not r['error'] and r['text'] == ref for r, ref in pairs)}/{len(pairs)}"
+
+    return dict(config=config, concurrency=concurrency, requests=len(level["results"]), ok=len(ok),
+                median_ttft_ms=1000 * statistics.median([r["ttft"] for r in ok]) if ok else None,
+                median_decode_tok_s=statistics.median(decode) if decode else None,
+                aggregate_tok_s=sum(r["tokens"] for r in ok) / level["wall"], wall_s=level["wall"],
+                same_as_own_c1=same(own_c1), same_as_mlx_lm_c1=same(mlx_lm_c1),
+                cached_prompt_tokens=sum(((r["usage"] or {}).get("prompt_tokens_details") or {})
+                                         .get("cached_tokens", 0) for r in ok),
+                usage_missing=sum(r["usage"] is None for r in ok))
+
+
+def c1_texts(run):
+    """prompt index -> text of the concurrency-1 level's first request for it (None: no such level)."""
+    level = run["levels"].get(1) if run else None
+    if level is None:
+        return None
+    texts = {}
+    for r, i in zip(level["results"], level["jobs"]):
+        if not r["error"] and i not in texts:
+            texts[i] = r["text"]
+    return texts
+
+
+def interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def fmt(value, spec):
+    return "-" if value is None else format(value, spec)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--configs", default="mlx_lm,none,lookup,eagle",
+                        help="mlx_lm = mlx_lm.server; any other = mlx-spec serve --draft NAME")
+    parser.add_argument("--concurrency", default="1,2,4,8", help="client threads per level")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the first prompt (temperature > 0)")
+    parser.add_argument("--limit", type=int, default=None, help="the first N held-out prompts")
+    parser.add_argument("--repeats", type=int, default=1, help="times each prompt goes per level")
+    parser.add_argument("--timeout", type=float, default=600, help="seconds one request may take")
+    parser.add_argument("--start-timeout", type=float, default=600, help="seconds a server may take to come up")
+    parser.add_argument("--json", default=None, help="write every request's result here")
+    args = parser.parse_args()
+    args.concurrency = [int(c) for c in args.concurrency.split(",")]
+    configs = args.configs.split(",")
+    signal.signal(signal.SIGTERM, interrupt)   # a SIGTERM here stops the servers too, as Ctrl-C does
+
+    from mlx_spec.models.default import default_model_path   # after argparse: --help stays quick
+    model_dir = default_model_path(dtype="float32").resolve()
+    prompts = load_prompts(args.limit)
+    runs = {}
+    for config in configs:
+        try:
+            runs[config] = run_config(config, model_dir, prompts, args)
+        except RuntimeError as e:   # a server that did not come up: report it, measure the others
+            print(e, file=sys.stderr)
+    configs = [config for config in configs if config in runs]
+
+    mlx_lm_c1 = c1_texts(runs.get("mlx_lm"))
+    rows = [summarize(config, c, runs[config]["levels"][c], c1_texts(runs[config]), mlx_lm_c1)
+            for config in configs for c in args.concurrency]
+    print(f"{len(prompts)} prompts x {args.repeats}, max_tokens {args.max_tokens}, temperature {args.temperature}; "
+          f"weights {model_dir}. mlx_lm = mlx_lm.server, batching at its defaults"
+          f"{' (off: requests carry a seed)' if args.temperature > 0 else ''}; others = mlx-spec serve --draft X "
+          "(one request at a time). Decode tok/s = completion tokens / (total - TTFT), per request.\n")
+    print("| config | clients | ok | median TTFT ms | median decode tok/s | aggregate tok/s | = own c1 | = mlx_lm c1 |")
+    print("|---|---|---|---|---|---|---|---|")
+    for row in rows:
+        print(f"| {row['config']} | {row['concurrency']} | {row['ok']}/{row['requests']} | "
+              f"{fmt(row['median_ttft_ms'], '.0f')} | {fmt(row['median_decode_tok_s'], '.1f')} | "
+              f"{row['aggregate_tok_s']:.1f} | {row['same_as_own_c1']} | {row['same_as_mlx_lm_c1']} |")
+    for row in rows:
+        if row["usage_missing"]:
+            print(f"\n{row['config']} x{row['concurrency']}: {row['usage_missing']} replies without usage "
+                  "(tokens counted as content deltas)")
+    if args.json:
+        Path(args.json).write_text(json.dumps(dict(
+            args=vars(args), model_dir=str(model_dir), prompts=prompts, summary=rows,
+            runs={config: dict(model=run["model"], levels={str(c): level for c, level in run["levels"].items()})
+                  for config, run in runs.items()}), indent=1))
+
+
+if __name__ == "__main__":
+    main()
