@@ -247,7 +247,7 @@ def run_level(port, model, prompts, concurrency, args):
 
 
 def run_config(config, model_dir, prompts, args):
-    """{concurrency: level} for one server, started and stopped here."""
+    """One server, started and stopped here: dict(model=the id sent, levels={concurrency: level})."""
     server = start_server(config, model_dir, args)
     try:
         server.wait_ready(args.start_timeout)
@@ -268,8 +268,9 @@ def run_config(config, model_dir, prompts, args):
 
 
 def summarize(config, concurrency, level, own_c1, mlx_lm_c1):
-    ok = [r for r in level["results"] if not r["error"] and r["ttft"] is not None]
-    decode = [r["tokens"] / (r["total"] - r["ttft"]) for r in ok if r["total"] > r["ttft"]]
+    ok = [r for r in level["results"] if not r["error"]]
+    ttfts = [r["ttft"] for r in ok if r["ttft"] is not None]   # None: an empty reply
+    decode = [r["tokens"] / (r["total"] - r["ttft"]) for r in ok if r["ttft"] is not None and r["total"] > r["ttft"]]
 
     def same(reference):
         if reference is None:
@@ -278,7 +279,7 @@ def summarize(config, concurrency, level, own_c1, mlx_lm_c1):
         return f"{sum(not r['error'] and r['text'] == ref for r, ref in pairs)}/{len(pairs)}"
 
     return dict(config=config, concurrency=concurrency, requests=len(level["results"]), ok=len(ok),
-                median_ttft_ms=1000 * statistics.median([r["ttft"] for r in ok]) if ok else None,
+                median_ttft_ms=1000 * statistics.median(ttfts) if ttfts else None,
                 median_decode_tok_s=statistics.median(decode) if decode else None,
                 aggregate_tok_s=sum(r["tokens"] for r in ok) / level["wall"], wall_s=level["wall"],
                 same_as_own_c1=same(own_c1), same_as_mlx_lm_c1=same(mlx_lm_c1),
@@ -361,4 +362,7 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:   # the servers were stopped on the way out
+        sys.exit("interrupted")

@@ -38,7 +38,7 @@ def serve(host, port, max_tokens, api_key, prompt_cache_size, prompt_cache_bytes
     name = DEFAULT_MODEL_NAME if model is None else (model if not Path(model).exists() else Path(model).resolve().name)
     try:
         server = Server((host, port), lambda: load_engine(**options, sessions=True), name, options["method"],
-                        max_tokens=max_tokens,
+                        aliases=[model] if model else [], max_tokens=max_tokens,
                         api_key=api_key, max_body_bytes=max_body_bytes, max_sessions=prompt_cache_size,
                         max_cache_bytes=prompt_cache_bytes, log=echo_err)
     except OSError as e:

@@ -15,6 +15,7 @@ import select
 import socket
 import sys
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Optional
 
@@ -26,6 +27,7 @@ from .protocol import Reply, Request, RequestError, parse, usage
 from .sessions import SessionCache
 
 POLL_SECONDS = 0.05
+KEEP_ALIVE_SECONDS = 1.0
 
 
 class Job:
@@ -111,12 +113,15 @@ class Server(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
 
-    def __init__(self, address, load, model_name: str, method: str, max_tokens: int = 512,
+    def __init__(self, address, load, model_name: str, method: str, aliases=(), max_tokens: int = 512,
                  api_key: Optional[str] = None, max_body_bytes: int = 1 << 20, max_sessions: int = 10,
                  max_cache_bytes: int = 1 << 30, log=None):
         """load: () -> Engine, called on the worker thread (errors raised here, before serving)."""
         super().__init__(address, Handler)
         self.model_name, self.method = model_name, method
+        # What clients of mlx_lm.server send for the same model: the name given to --model,
+        # and its "default_model". Never a way to load another one.
+        self.model_names = {model_name, "default_model", *aliases}
         self.max_tokens, self.api_key, self.max_body_bytes = max_tokens, api_key, max_body_bytes
         self.log = log or (lambda line: print(line, file=sys.stderr, flush=True))
         self.worker = Worker(load, max_sessions, max_cache_bytes, self.log)
@@ -248,7 +253,7 @@ class Handler(BaseHTTPRequestHandler):
         server = self.server
         request = parse(self._read_body(), chat)
         model = request.model
-        if model is not None and model != server.model_name:
+        if model is not None and model not in server.model_names:
             raise RequestError(404, f"model {model!r} is not served here (this server serves "
                                     f"{server.model_name!r})", "model", "model_not_found")
         tokens = server.tokens_for(request)
@@ -269,8 +274,10 @@ class Handler(BaseHTTPRequestHandler):
         finally:
             job.cancelled.set()   # whatever ended the reply, the worker stops at its next token
 
-    def _events(self, job: Job):
-        """The job's events, until its end; stops early (cancelling it) if the client leaves."""
+    def _events(self, job: Job, keep_alive=None):
+        """The job's events, until its end; stops early (cancelling it) if the client leaves.
+        keep_alive() is called about once a second while nothing comes (queued, prefilling)."""
+        quiet_since = time.monotonic()
         while True:
             try:
                 event = job.events.get(timeout=POLL_SECONDS)
@@ -278,7 +285,11 @@ class Handler(BaseHTTPRequestHandler):
                 if self._client_gone():
                     job.cancelled.set()
                     return
+                if keep_alive is not None and time.monotonic() - quiet_since > KEEP_ALIVE_SECONDS:
+                    keep_alive()
+                    quiet_since = time.monotonic()
                 continue
+            quiet_since = time.monotonic()
             if event[0] == "end":
                 return
             yield event
@@ -296,40 +307,46 @@ class Handler(BaseHTTPRequestHandler):
             self.close_connection = True
             return
         self._send_json(200, reply.whole("".join(pieces), last.finish_reason,
-                                         usage(last.stats, self.server.method)))
+                                         usage(last.stats, self.server.method, self._sampled(job))))
         self._log(200, _summary(last.stats))
 
     def _stream(self, job: Job, reply: Reply) -> None:
-        started = False
+        # The request was checked: the headers go out at once, and while it waits in the queue
+        # SSE comments keep proxies and clients with header or read timeouts from giving up.
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Cache-Control", "no-cache")
+        self.send_header("Connection", "close")
+        self.end_headers()
+        self.close_connection = True
+        if reply.chat:
+            self._sse(reply.chunk(first=True))
         try:
-            for event in self._events(job):
+            for event in self._events(job, keep_alive=self._keep_alive):
                 if event[0] == "error":
-                    if not started:
-                        raise event[1]
-                    self._sse(event[1].body())   # mid-stream: the error as the last event
+                    self._sse(event[1].body())   # in a stream, the error is its last event
+                    self._log(event[1].status, event[1].message)
                     break
                 response = event[1]
-                if not started:
-                    self.send_response(200)
-                    self.send_header("Content-Type", "text/event-stream")
-                    self.send_header("Cache-Control", "no-cache")
-                    self.send_header("Connection", "close")
-                    self.end_headers()
-                    self.close_connection = True
-                    started = True
-                    if reply.chat:
-                        self._sse(reply.chunk(first=True))
                 if response.text:
                     self._sse(reply.chunk(response.text))
                 if response.finish_reason is not None:
                     self._sse(reply.chunk(finish_reason=response.finish_reason))
                     if job.request.include_usage:
-                        self._sse(reply.usage_chunk(usage(response.stats, self.server.method)))
+                        self._sse(reply.usage_chunk(usage(response.stats, self.server.method, self._sampled(job))))
                     self._sse("[DONE]")
                     self._log(200, "stream " + _summary(response.stats))
         except (BrokenPipeError, ConnectionResetError):
             job.cancelled.set()
             self.close_connection = True
+
+
+    def _sampled(self, job: Job) -> bool:
+        return job.request.sampling.get("temp", self.server.engine.sampling.temp) > 0
+
+    def _keep_alive(self) -> None:
+        self.wfile.write(b": waiting\n\n")
+        self.wfile.flush()
 
 
 def _summary(stats) -> str:

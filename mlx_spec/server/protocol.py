@@ -154,15 +154,16 @@ def parse(body, chat: bool) -> Request:
                    seed=_number(body, "seed", 0, 2**63 - 1, integer=True), stop=stop or [])
 
 
-def usage(stats, method: str) -> dict:
-    """OpenAI's usage, with the prompt tokens the cache held and what speculation did."""
+def usage(stats, method: str, sampled: bool) -> dict:
+    """OpenAI's usage, with the prompt tokens the cache held and what speculation did (and the
+    seed that repeats a sampled reply)."""
     return {"prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.generated_tokens,
             "total_tokens": stats.prompt_tokens + stats.generated_tokens,
             "prompt_tokens_details": {"cached_tokens": stats.prompt_cached},
             "speculative": {"method": method, "steps": stats.steps, "tokens_per_step": round(stats.tokens_per_step, 4),
                             "acceptance_rate": round(stats.acceptance_rate, 4),
                             "drafts_verified": stats.proposed, "plain_steps": stats.plain_steps,
-                            "seed": stats.seed}}
+                            "seed": stats.seed if sampled else None}}
 
 
 class Reply:
