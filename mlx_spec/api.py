@@ -163,7 +163,7 @@ def generate(model: Engine, tokenizer, prompt: Union[str, Sequence[int]], verbos
     if verbose:
         print()
         print("=" * 10)
-        print(stats_line(response.stats, model.speculative))
+        print(stats_line(response.stats, model.speculative, not model.sampler.greedy))
     return "".join(text)
 
 
@@ -171,24 +171,31 @@ def count(n: int, noun: str) -> str:
     return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
-ENDINGS = {"eos": "end of text", "length": "--max-tokens reached, the reply is cut",
-           "stop": "stop string"}
+ENDINGS = {"eos": "ended by end of text", "length": "cut at --max-tokens", "stop": "ended by a stop string",
+           "interrupted": "interrupted"}
 
 
-def stats_line(stats, speculative: bool = True) -> str:
-    """One line that says what each figure counts: the prompt tokens the cache already held are
-    not in the prompt rate; the end-of-text token is committed by a step but not printed."""
+def stats_line(stats, speculative: bool = True, sampled: bool = False) -> str:
+    """One line, each figure named by what it counts: the prompt tokens the cache already held
+    are not in the prompt rate; a step commits its accepted drafts and the target's own token,
+    the end-of-text token included (it ends the reply but is not printed); the seed repeats a
+    sampled reply."""
     cached = f" ({stats.prompt_cached} cached)" if stats.prompt_cached else ""
     rate = stats.prompt_tokens_per_second
-    prompt = f"prompt: {count(stats.prompt_tokens, 'token')}{cached}" + (f", {rate:.1f} tok/s" if rate else "")
-    eos = " + end of text" if stats.finish_reason == "eos" else ""
-    generated = f"generated: {count(stats.generated_tokens, 'token')}{eos} in {count(stats.steps, 'step')}"
-    if speculative:
-        acceptance = f"{stats.acceptance_rate:.0%}" if stats.proposed else "n/a"
-        generated += (f", {stats.tokens_per_step:.2f} tokens/step, acceptance {acceptance}, "
-                      f"{stats.mean_draft_length:.2f} drafts/step ({stats.plain_steps} plain)")
-    else:
-        generated += " (no drafting)"
+    parts = [f"prompt: {count(stats.prompt_tokens, 'token')}{cached}" + (f", {rate:.1f} tok/s" if rate else "")]
     ending = ENDINGS.get(stats.finish_reason)
-    return (f"{prompt} | {generated}, {stats.tokens_per_second:.1f} tok/s"
-            + (f" | {ending}" if ending else ""))
+    parts.append(f"reply: {count(stats.generated_tokens, 'token')}, {stats.tokens_per_second:.1f} tok/s"
+                 + (f", {ending}" if ending else ""))
+    if not speculative:
+        parts.append(f"{count(stats.steps, 'step')} (no drafting)")
+    else:
+        committed = ""
+        if stats.committed != stats.generated_tokens:
+            eos = ", end of text included" if stats.finish_reason == "eos" else ""
+            committed = f" ({stats.committed} committed{eos})"
+        parts.append(f"{count(stats.steps, 'step')}, {stats.tokens_per_step:.2f} tokens/step{committed}")
+        parts.append(f"drafts: {stats.proposed} checked, {stats.accepted} accepted ({stats.acceptance_rate:.0%}); "
+                     f"{count(stats.plain_steps, 'step')} checked none" if stats.proposed else "drafts: none checked")
+    if sampled:
+        parts.append(f"seed {stats.seed}")
+    return " | ".join(parts)

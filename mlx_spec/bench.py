@@ -233,12 +233,15 @@ def run_bench(target, engines: Dict[str, object], items, max_tokens, repeats, sa
 
 
 def summarize(records: List[Record]) -> List[dict]:
-    """One row per (method, category) and per method overall ("all"); tok/s and speedup are
-    medians over repeats."""
+    """One row per (method, category) and per method overall ("all", where it has several
+    categories), in the order the methods came; tok/s and speedup are medians over repeats."""
     groups: Dict[tuple, List[Record]] = {}
     for r in records:
         groups.setdefault((r.method, r.category), []).append(r)
-        groups.setdefault((r.method, "all"), []).append(r)
+    categories = {method: {c for m, c in groups if m == method} for method, _ in groups}
+    for r in records:
+        if len(categories[r.method]) > 1:   # one category: its row is the whole
+            groups.setdefault((r.method, "all"), []).append(r)
     rows = []
     for (method, category), rs in groups.items():
         # One aggregate tok/s per repeat (a pass over the category's prompts), then the median
@@ -268,11 +271,12 @@ def summarize(records: List[Record]) -> List[dict]:
             mean_draft_length=proposed / steps if steps else 0.0,
             plain_steps=sum(r.plain_steps for r in rs),
             plain_step_share=sum(r.plain_steps for r in rs) / steps if steps else 0.0,
-            acceptance_rate=sum(r.accepted for r in rs) / proposed if proposed else 0.0,
+            acceptance_rate=sum(r.accepted for r in rs) / proposed if proposed else None,   # no drafts: n/a
             identical=f"{sum(r.identical for r in checked)}/{len(checked)}" if checked else "n/a",
             first_differences=[r.first_difference for r in checked if not r.identical],
             tokens_per_step_histogram=dict(sorted(histogram.items()))))
-    rows.sort(key=lambda row: (row["method"], row["category"] == "all", row["category"]))
+    order = list(dict.fromkeys(r.method for r in records))   # as --methods gave them
+    rows.sort(key=lambda row: (order.index(row["method"]), row["category"] == "all", row["category"]))
     return rows
 
 
@@ -285,7 +289,7 @@ HEADERS = ["method", "category", "tok/s", "mlx-lm tok/s", "speedup", "tau", "acc
 
 
 def _cells(rows):
-    return [[fmt.format(row[key]) for key, fmt in COLUMNS] for row in rows]
+    return [["n/a" if row[key] is None else fmt.format(row[key]) for key, fmt in COLUMNS] for row in rows]
 
 
 def render_table(rows) -> str:

@@ -72,7 +72,7 @@ class Stats:
         return computed / self.prompt_seconds if computed > 0 and self.prompt_seconds else 0.0
 
     def as_dict(self) -> dict:
-        d = {k: v for k, v in asdict(self).items() if k not in ("committed",)}
+        d = asdict(self)
         d.update(tokens_per_step=self.tokens_per_step, acceptance_rate=self.acceptance_rate,
                  mean_draft_length=self.mean_draft_length, tokens_per_second=self.tokens_per_second)
         return d
@@ -331,6 +331,8 @@ class Engine:
                         break
             yield from output.flush()
         except GeneratorExit:   # closed at an event: the cache holds what it says it holds
+            stats.finish_reason = stats.finish_reason or "interrupted"
+            stats.generate_seconds = time.perf_counter() - tic
             raise
         except BaseException:
             self.reset()   # an interrupted step leaves cache and drafter out of step

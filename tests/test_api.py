@@ -50,7 +50,7 @@ def test_verbose_prints_the_text_and_the_statistics(model_dir, capsys):
     model, tokenizer = load(str(model_dir), draft="lookup")
     text = generate(model, tokenizer, "Hello", max_tokens=6, verbose=True)
     out = capsys.readouterr().out
-    assert out.startswith(text) and "tokens/step" in out and "generated: 6 tokens" in out
+    assert out.startswith(text) and "tokens/step" in out and "reply: 6 tokens" in out
 
 
 def test_bad_arguments_are_clear(model_dir):

@@ -145,3 +145,23 @@ def test_unwritable_output_is_refused_before_the_run(tmp_path, option):
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 1 and "bench" not in result.stderr.replace("cannot write", "")
     assert result.stderr.strip().count("\n") == 0 and "no directory /nonexistent/dir" in result.stderr
+
+
+def test_rows_follow_methods_and_say_what_they_cannot(tmp_path):
+    """--methods order, no duplicate 'all' row for one category, n/a acceptance without drafts,
+    the shipped drafter named in meta, and a warning that one repeat has no spread."""
+    prompts = tmp_path / "one.jsonl"
+    prompts.write_text(json.dumps({"prompt": "Count from one to five.", "category": "count"}) + "\n")
+    out = tmp_path / "bench.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "mlx_spec.cli", "bench", "--prompts", str(prompts), "--methods", "none,eagle",
+         "--max-tokens", "4", "--repeats", "1", "--json", str(out)], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr
+    data = json.loads(out.read_text())
+    assert [(row["method"], row["category"]) for row in data["summary"]] == [("none", "count"), ("eagle", "count")]
+    assert data["summary"][0]["acceptance_rate"] is None
+    table = result.stdout.splitlines()
+    assert table[2].split()[:2] == ["none", "count"] and "n/a" in table[2]
+    assert data["meta"]["drafters"]["none"] is None
+    assert data["meta"]["drafters"]["eagle"].endswith("shipped/smollm2-135m-instruct/eagle")
+    assert "--repeats 1: one run per prompt, no spread" in result.stderr

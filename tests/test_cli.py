@@ -36,11 +36,16 @@ def test_generate_json_matches_the_stream():
     assert code == 0, err
     result = json.loads(out)
     assert set(result) == {"text", "tokens", "stats"}
-    assert set(result["stats"]) == {"prompt_tokens", "prompt_cached", "generated_tokens", "steps", "tokens_per_step",
-                                    "acceptance_rate", "tokens_per_second", "prompt_seconds",
-                                    "generate_seconds", "seed", "mean_draft_length", "plain_steps",
-                                    "drafted", "finish_reason"}
-    assert result["stats"]["generated_tokens"] == len(result["tokens"]) <= 24
+    assert set(result["stats"]) == {"prompt_tokens", "prompt_cached", "generated_tokens", "committed", "steps",
+                                    "tokens_per_step", "proposed", "accepted", "acceptance_rate",
+                                    "tokens_per_second", "prompt_seconds", "generate_seconds", "seed",
+                                    "mean_draft_length", "plain_steps", "drafted", "finish_reason"}
+    stats = result["stats"]
+    assert stats["generated_tokens"] == len(result["tokens"]) <= 24
+    # The figures add up: tokens per step counts what the steps committed.
+    assert stats["tokens_per_step"] == pytest.approx(stats["committed"] / stats["steps"])
+    assert stats["committed"] == stats["steps"] + stats["accepted"]
+    assert stats["acceptance_rate"] == pytest.approx(stats["accepted"] / max(stats["proposed"], 1))
     code, streamed, err = cli(["generate", "List three fruits.", "--max-tokens", "24", "--draft", "none"])
     assert code == 0
     assert streamed.strip() == result["text"].strip()
@@ -72,6 +77,9 @@ def bad_dirs(tmp_path_factory):
 
     Tokenizer(models.WordLevel({f"t{i}": i for i in range(64)}, unk_token="t0")).save(str(other / "tokenizer.json"))
     (other / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
+    # A model whose tokenizer files were left behind.
+    save_model(tiny_model(tiny_config()), tiny_config(), root / "untokenized")
+    (root / "untokenized" / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
     return root
 
 
@@ -80,6 +88,7 @@ def bad_dirs(tmp_path_factory):
     (["--model", "{root}/corrupt"], ["corrupt config.json"]),
     (["--model", "{root}/pickled"], ["pickled weights"]),
     (["--model", "{root}/garbage"], ["cannot load model"]),
+    (["--model", "{root}/untokenized"], ["has no tokenizer.json", "copy the tokenizer files"]),
     (["--draft", "bogus"], ["unknown draft method 'bogus'"]),
     (["--dtype", "int3"], ["unknown dtype 'int3'"]),
     (["--max-tokens", "9000"], ["exceed the model's context of 8192"]),
@@ -88,6 +97,11 @@ def bad_dirs(tmp_path_factory):
     (["--temp", "-1"], ["--temp"]),
     (["--bogus-flag"], ["No such option"]),
     (["--draft-model", "/nonexistent"], ["--draft-model is for --draft", "not --draft lookup"]),
+    (["--tree-budget", "8"], ["--tree-budget is for --draft ddtree|eagle|medusa, not --draft lookup"]),
+    (["--draft", "mtp", "--tree-budget", "4"], ["--tree-budget is for --draft", "not --draft mtp"]),
+    (["--draft", "eagle", "--ngram-max", "4"], ["--ngram-max is for --draft lookup, not --draft eagle"]),
+    (["--draft", "none", "--exit-layer", "4"], ["--exit-layer is for --draft layerskip"]),
+    (["--draft", "dflash", "--stop-early"], ["--stop-early is for --draft model|eagle|mtp"]),
     (["--system", "Be terse.", "--no-chat-template"], ["--system goes into the chat template"]),
     (["--prompt", "Hi"], ["give the prompt once"]),
 ])
@@ -139,11 +153,14 @@ def test_chat_turns_reset_and_ctrl_c_keeps_the_conversation():
     assert "(interrupted)" in err
     assert "(conversation reset)" in err
     assert "Traceback" not in err
-    prompts = [int(n) for n in re.findall(r"prompt: (\d+) tokens", err)]
-    assert len(prompts) == 2                        # one stats line per finished reply
+    lines = re.findall(r"prompt: (\d+) tokens(?: \((\d+) cached\))?.*\| reply: (\d+) tokens?, .*", err)
+    assert len(lines) == 3, err                     # one stats line per reply, the interrupted one too
+    (first, _, replied), (second, kept, _), (third, _, _) = [[int(n or 0) for n in line] for line in lines]
+    assert "interrupted" in err.split("| reply:")[1].split("\n")[0]
     # The interrupted reply is part of the history: the same question costs more prompt
-    # tokens before /reset than after.
-    assert prompts[0] > prompts[1] + 15
+    # tokens before /reset than after; and what it computed stayed in the cache.
+    assert second > third + 15
+    assert kept >= first + replied - 3
     assert out.startswith(printed)                 # nothing printed was taken back
 
 
@@ -156,6 +173,7 @@ def test_chat_in_a_terminal():
 
     term = Terminal([sys.executable, "-m", "mlx_spec.cli", "chat", "-m", "2", "--draft", "none"])
     reply = r"prompt: (\d+) tokens.*\n"
+    term.expect(r"mlx-spec chat: SmolLM2-135M-Instruct, --draft none\r?\n")   # which model, which source
     term.expect(">> ")
     term.type("/xyz\x1b[DQ\r")                       # left arrow, then an insertion
     assert term.expect(r"unknown command (\S+);").group(1) == b"/xyQz"
@@ -208,23 +226,44 @@ def test_chat_refuses_a_reply_longer_than_the_context_at_start():
 
 
 def test_stats_line_says_what_it_counts():
-    from mlx_spec.cli.common import stats_line
+    from mlx_spec.api import stats_line
     from mlx_spec.engine import Stats
 
     stats = Stats(prompt_tokens=155, prompt_cached=142, prompt_seconds=0.5, generated_tokens=43,
                   committed=44, steps=22, proposed=40, accepted=22, plain_steps=2,
-                  generate_seconds=2.0, finish_reason="eos")
+                  generate_seconds=2.0, finish_reason="eos", seed=77)
     line = stats_line(stats)
-    assert "prompt: 155 tokens (142 cached), 24.0 tok/s" in line   # 12 computed (the last: step 1)
-    assert "generated: 43 tokens + end of text in 22 steps, 2.00 tokens/step" in line
-    assert "acceptance 55%" in line and "21.5 tok/s" in line
+    assert line.startswith("prompt: 155 tokens (142 cached), 24.0 tok/s | ")   # 12 computed (the last: step 1)
+    assert "| reply: 43 tokens, 21.5 tok/s, ended by end of text |" in line
+    assert "| 22 steps, 2.00 tokens/step (44 committed, end of text included) |" in line
+    assert line.endswith("| drafts: 40 checked, 22 accepted (55%); 2 steps checked none")
+    assert line.count("end of text") == 2 and "seed" not in line
+    assert stats_line(stats, sampled=True).endswith(" | seed 77")
     one = Stats(prompt_tokens=1, generated_tokens=1, committed=1, steps=1, plain_steps=1,
                 generate_seconds=0.1, finish_reason="length")
     line = stats_line(one, speculative=False)
-    assert "prompt: 1 token |" in line                  # nothing computed, so no rate
-    assert "generated: 1 token in 1 step (no drafting)" in line and "acceptance" not in line
-    assert "--max-tokens reached, the reply is cut" in line
-    assert "acceptance n/a" in stats_line(one)          # a drafter that never drafted
+    assert line == "prompt: 1 token | reply: 1 token, 10.0 tok/s, cut at --max-tokens | 1 step (no drafting)"
+    assert stats_line(one).endswith("| 1 step, 1.00 tokens/step | drafts: none checked")   # never drafted
+
+
+def test_empty_prompts_are_refused():
+    code, out, err = cli(["generate", "  "])
+    assert_one_line_error(code, err, "the prompt is empty")
+    code, out, err = cli(["generate", "--prompt", "-"], input="")
+    assert_one_line_error(code, err, "the prompt is empty: nothing came on stdin")
+    assert not out
+
+
+def test_python_m_mlx_spec_is_the_cli():
+    result = subprocess.run([sys.executable, "-m", "mlx_spec", "--help"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and "Usage: mlx-spec" in result.stdout and "serve" in result.stdout
+    assert "EAGLE-3, DFlash, MTP and Medusa" in " ".join(result.stdout.split())
+
+
+def test_train_takes_model_as_every_command_does():
+    for command in ("data", "eagle", "dflash", "mtp", "medusa"):
+        code, out, err = cli(["train", command, "--help"])
+        assert code == 0 and "--model, --target" in out, out
 
 
 @pytest.mark.parametrize("method, shipped, fragments", [
@@ -260,3 +299,14 @@ def test_every_option_and_command_is_explained():
         assert "..." not in summaries, f"{' '.join(path)} cuts a command's summary"
     code, out, _ = cli(["bench", "--help"])
     assert all(method in out for method in DRAFTERS)
+
+
+def test_readme_links_stay_inside_the_repository():
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    readme = (root / "README.md").read_text()
+    assert "../shared" not in readme
+    for link in re.findall(r"\]\(([^)#:]+)\)", readme):
+        assert (root / link).exists(), link
+    assert "docs/DESIGN.md" in readme and (root / "docs" / "DESIGN.md").is_file()

@@ -43,6 +43,38 @@ def test_round_trip_gives_mlx_lms_tokens(source, tmp_path):
     assert json.loads((tmp_path / "out" / "mlx_spec_conversion.json").read_text())["dtype"] == "float16"
 
 
+def test_a_quantized_source_is_requantized_as_asked(source, tmp_path):
+    """An mlx-community style directory (already quantized) with -q or --dtype: dequantized, then
+    written as asked, and the record says what was written."""
+    import mlx.core as mx
+
+    code, _, err = cli(["convert", "--hf-path", str(source), "--mlx-path", str(tmp_path / "q4"), "-q"])
+    assert code == 0, err
+    code, _, err = cli(["convert", "--hf-path", str(tmp_path / "q4"), "--mlx-path", str(tmp_path / "q8"), "-q",
+                        "--q-bits", "8", "--q-group-size", "32"])
+    assert code == 0, err
+    config = json.loads((tmp_path / "q8" / "config.json").read_text())
+    assert config["quantization"]["bits"] == 8 and config["quantization"]["group_size"] == 32
+    info = json.loads((tmp_path / "q8" / "mlx_spec_conversion.json").read_text())
+    assert info["quantization"] == {"bits": 8, "group_size": 32} and info["dequantized_from"]["bits"] == 4
+    weights = mx.load(str(tmp_path / "q8" / "model.safetensors"))
+    q_proj = weights["model.layers.0.self_attn.q_proj.weight"]
+    assert q_proj.dtype == mx.uint32 and q_proj.shape[-1] * 32 // 8 == config["hidden_size"]   # 8-bit packing
+    assert greedy(tmp_path / "q8")
+    code, _, err = cli(["convert", "--hf-path", str(tmp_path / "q4"), "--mlx-path", str(tmp_path / "f16"),
+                        "--dtype", "float16"])
+    assert code == 0, err
+    assert "quantization" not in json.loads((tmp_path / "f16" / "config.json").read_text())
+    info = json.loads((tmp_path / "f16" / "mlx_spec_conversion.json").read_text())
+    assert info["quantization"] is None and info["dtype"] == "float16"
+    weights = mx.load(str(tmp_path / "f16" / "model.safetensors"))
+    assert weights["model.layers.0.self_attn.q_proj.weight"].dtype == mx.float16
+    # Neither: the source's quantization, kept and recorded.
+    code, _, err = cli(["convert", "--hf-path", str(tmp_path / "q4"), "--mlx-path", str(tmp_path / "same")])
+    assert code == 0, err
+    assert json.loads((tmp_path / "same" / "mlx_spec_conversion.json").read_text())["quantization"]["bits"] == 4
+
+
 def broken(source, tmp_path, how):
     bad = tmp_path / how
     shutil.copytree(source, bad)

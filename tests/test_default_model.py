@@ -142,3 +142,21 @@ def test_seed_reproduces_sampled_text_whatever_the_source(target, method, option
         assert tokens == plain, (method, k)
         assert stats.proposed > 0
     mx.clear_cache()
+
+
+def test_the_default_model_converted_elsewhere_gets_the_shipped_drafters(tmp_path):
+    """`convert --gguf` of the packaged file to another directory is still the default model (its
+    conversion record names the file and its size); another model is told where they are."""
+    import json
+
+    from mlx_spec.models.default import find_default_gguf, is_default_model
+
+    gguf = find_default_gguf()
+    record = {"source": str(tmp_path / "copy" / gguf.name), "source_size": gguf.stat().st_size}
+    (tmp_path / "mlx_spec_conversion.json").write_text(json.dumps(record))
+    assert is_default_model(tmp_path)
+    record["source_size"] += 1
+    (tmp_path / "mlx_spec_conversion.json").write_text(json.dumps(record))
+    assert not is_default_model(tmp_path)
+    with pytest.raises(MlxSpecError, match=f"default model SmolLM2-135M-Instruct only: {SHIPPED_DRAFTERS / 'eagle'}"):
+        make_drafter("eagle", Target(None, None, {}, path=str(tmp_path)), {})

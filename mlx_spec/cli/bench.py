@@ -94,7 +94,7 @@ def bench(model_path, revision, dtype, prompts, categories, methods, draft_model
         records = harness.run_bench(target, engines, items, max_tokens, repeats, sampling, seed,
                                     progress=bar.update, residual=residual)
     rows = harness.summarize(records)
-    meta = harness.machine_info(target, {name: paths.get(name) for name in names})
+    meta = harness.machine_info(target, {name: drafter_used(name, target, paths.get(name)) for name in names})
     meta.update(max_tokens=max_tokens, repeats=repeats, temp=temp, num_draft_tokens=lengths,
                 sampling_rule="residual" if residual else "seeded", adaptive=adaptive, stop_early=stop_early,
                 tree_budget=tree_budget, tree_topk=tree_topk, exit_layer=exit_layer)
@@ -107,3 +107,18 @@ def bench(model_path, revision, dtype, prompts, categories, methods, draft_model
     if plot_path:
         harness.plot(rows, plot_path)
     echo_err(f"{meta['machine']}; mlx {meta['mlx']}, mlx-lm {meta['mlx-lm']}; {meta['device']}, {meta['dtype']}")
+    if repeats == 1:
+        echo_err("--repeats 1: one run per prompt, no spread; a speedup within a few percent of 1.00x is "
+                 "noise here (--repeats 3 gives medians)")
+
+
+def drafter_used(method: str, target, given):
+    """The checkpoint a method drafted with: the one given, the one shipped for the default
+    model, or None (lookup, none, layerskip; MTP from the target's own weights)."""
+    from ..api import draft_model_path
+    from ..models.default import shipped_drafter
+
+    if given:
+        return draft_model_path(method, given)
+    shipped = shipped_drafter("dflash" if method == "ddtree" else method, target.path)
+    return str(shipped) if shipped and DRAFTERS[method].uses_draft_model else None

@@ -1,11 +1,12 @@
 import re
+import signal
 import sys
 
 import click
 
 from ..errors import MlxSpecError
 from ..api import stats_line
-from .common import echo_err, load_engine, model_options, reports_errors, stream
+from .common import echo_err, load_engine, model_label, model_options, reports_errors, stream
 
 COMMANDS = {
     "/help": "list these commands",
@@ -44,6 +45,24 @@ def read_message(prompt: str = ">> ", more: str = ".. ") -> str:
     return "\n".join(lines + [line])
 
 
+class CtrlC:
+    """During a reply, the first Ctrl-C asks it to stop at its next token, so that the cache
+    keeps what was computed and the reply gets its statistics; a second one interrupts at once."""
+
+    def __enter__(self):
+        self.pressed = False
+        self.previous = signal.signal(signal.SIGINT, self._press)
+        return self
+
+    def _press(self, signum, frame):
+        if self.pressed:
+            raise KeyboardInterrupt
+        self.pressed = True
+
+    def __exit__(self, *exc):
+        signal.signal(signal.SIGINT, self.previous)
+
+
 @click.command("chat", short_help="Chat in the terminal, with line editing and history.")
 @model_options
 @click.option("--max-tokens", "-m", type=click.IntRange(1), default=512, show_default=True,
@@ -64,6 +83,10 @@ def chat(max_tokens, system, **options):
                                f"model's context of {limit} tokens")
     messages = list(start)
     line_editing()
+    adaptive = "adaptive" if options["adaptive"] else f"{engine.num_draft_tokens} drafts per step"
+    echo_err(f"mlx-spec chat: {model_label(options['model_path'])}, --draft {options['method']}"
+             + (f" ({adaptive})" if engine.speculative else "")
+             + (f", temperature {options['temp']}" if options["temp"] else ""))
     echo_err(GREETING)
     while True:
         try:
@@ -100,10 +123,14 @@ def chat(max_tokens, system, **options):
             continue
         pieces = []
         try:
-            _, reply, stats = stream(engine.generate(tokens, max_tokens=room), pieces=pieces)
+            with CtrlC() as ctrl_c:
+                _, reply, stats = stream(engine.generate(tokens, max_tokens=room), pieces=pieces,
+                                         stop=lambda: ctrl_c.pressed)
             click.echo()
-            echo_err(stats_line(stats, engine.speculative))
-        except KeyboardInterrupt:
+            if stats.finish_reason == "interrupted":
+                echo_err("(interrupted)")
+            echo_err(stats_line(stats, engine.speculative, not engine.sampler.greedy))
+        except KeyboardInterrupt:   # a second Ctrl-C: at once (the cache starts over)
             # Keep what was printed: it becomes the assistant's turn in the history.
             reply = "".join(pieces)
             click.echo()

@@ -54,7 +54,7 @@ def model_options(f):
         click.option("--min-p", type=float, default=0.0, show_default=True, help="Min-p sampling."),
         click.option("--seed", type=int, default=None,
                      help="Random seed: the same seed gives the same sampled text, whatever --draft "
-                          "(default: a fresh one, printed in --json)."),
+                          "(default: a fresh one, printed with the statistics when sampling)."),
         click.option("--residual-sampling", "residual", is_flag=True,
                      help="Accept sampled drafts by the residual rule (may accept more; the output for a "
                           "seed then depends on the draft source and timing)."),
@@ -77,11 +77,28 @@ def reports_errors(f):
     return wrapper
 
 
+def check_source_options(method: str) -> None:
+    """Refuse, in one line, an option given on the command line that --draft `method` does not read."""
+    from ..drafters import DRAFTERS, SOURCE_OPTIONS, check_method, sources_reading
+
+    ctx = click.get_current_context(silent=True)
+    if ctx is None:
+        return
+    used = DRAFTERS[check_method(method)].options
+    for name in SOURCE_OPTIONS:
+        source = ctx.get_parameter_source(name)
+        if source in (click.core.ParameterSource.COMMANDLINE, click.core.ParameterSource.ENVIRONMENT) \
+                and name not in used:
+            flag = "--" + name.replace("_", "-")
+            raise MlxSpecError(f"{flag} is for --draft {sources_reading(name)}, not --draft {method}")
+
+
 def load_engine(model_path, revision, dtype, method, draft_model, num_draft_tokens, ngram_max, ngram_min,
                 tree_budget, tree_topk, exit_layer, temp, top_p, top_k, min_p, seed, residual, adaptive,
                 stop_early, sessions=False):
     from ..api import load
 
+    check_source_options(method)
     engine, _ = load(model_path, draft=method, draft_model=draft_model, num_draft_tokens=num_draft_tokens,
                      dtype=dtype, revision=revision, adaptive=adaptive, stop_early=stop_early,
                      residual_sampling=residual, sessions=sessions, ngram_max=ngram_max, ngram_min=ngram_min,
@@ -90,13 +107,26 @@ def load_engine(model_path, revision, dtype, method, draft_model, num_draft_toke
     return engine
 
 
+def model_label(model_path) -> str:
+    """What to call the model the user named: its repo id, its directory's name, or the
+    embedded model's name."""
+    from pathlib import Path
+
+    from ..models.default import DEFAULT_MODEL_NAME
+
+    if model_path is None:
+        return DEFAULT_MODEL_NAME
+    return Path(model_path).resolve().name if Path(model_path).exists() else model_path
+
+
 def echo_err(text: str, **kwargs) -> None:
     click.echo(text, err=True, **kwargs)
 
 
-def stream(events, out=sys.stdout, pieces=None):
+def stream(events, out=sys.stdout, pieces=None, stop=None):
     """Print text as it is committed; return (generated token ids, text, Stats). `pieces`
-    collects the text printed so far, which survives an interrupted stream."""
+    collects the text printed so far, which survives an interrupted stream; stop() True ends
+    the generation at the next event (its stats then say "interrupted")."""
     tokens, stats = [], None
     pieces = [] if pieces is None else pieces
     for event in events:
@@ -107,6 +137,9 @@ def stream(events, out=sys.stdout, pieces=None):
             if out is not None:
                 out.write(event[-1])
                 out.flush()
-        elif event[0] == "done":
+        elif event[0] in ("prefill", "done"):
             stats = event[1]
+        if stop is not None and stop():
+            events.close()
+            break
     return tokens, "".join(pieces), stats

@@ -36,18 +36,22 @@ def generate(prompt_arg, prompt_opt, max_tokens, system, no_chat_template, as_js
         raise click.UsageError("give a PROMPT, or --prompt - to read it from stdin")
     if prompt == "-":
         prompt = sys.stdin.read()
+        if not prompt.strip():
+            raise click.UsageError("the prompt is empty: nothing came on stdin")
+    if not prompt.strip():
+        raise click.UsageError("the prompt is empty")
     engine = load_engine(**options)
     tokens = encode_prompt(engine.target.tokenizer, prompt, system, not no_chat_template)
     events = engine.generate(tokens, max_tokens=max_tokens)
     if as_json:
         generated, text, stats = stream(events, out=None)
-        keys = ("prompt_tokens", "prompt_cached", "generated_tokens", "steps", "tokens_per_step", "acceptance_rate",
-                "tokens_per_second", "prompt_seconds", "generate_seconds", "seed", "mean_draft_length",
-                "plain_steps", "drafted", "finish_reason")
+        keys = ("prompt_tokens", "prompt_cached", "generated_tokens", "committed", "steps", "tokens_per_step",
+                "proposed", "accepted", "acceptance_rate", "tokens_per_second", "prompt_seconds",
+                "generate_seconds", "seed", "mean_draft_length", "plain_steps", "drafted", "finish_reason")
         all_stats = stats.as_dict()
         click.echo(json.dumps({"text": text, "tokens": generated,
                                "stats": {k: all_stats[k] for k in keys}}))
     else:
         _, _, stats = stream(events)
         click.echo()
-        echo_err(stats_line(stats, engine.speculative))
+        echo_err(stats_line(stats, engine.speculative, not engine.sampler.greedy))

@@ -1,9 +1,7 @@
 import signal
-from pathlib import Path
-
 import click
 
-from .common import echo_err, load_engine, model_options, reports_errors
+from .common import echo_err, load_engine, model_label, model_options, reports_errors
 
 
 def _interrupt(signum, frame):
@@ -31,11 +29,10 @@ def serve(host, port, max_tokens, api_key, prompt_cache_size, prompt_cache_bytes
     """Serve the model over the OpenAI API: POST /v1/chat/completions and /v1/completions
     (streaming too), GET /v1/models and /health. Requests are generated one at a time, each
     with the --draft source, and a chat's next turn computes only its new tokens."""
-    from ..models.default import DEFAULT_MODEL_NAME
     from ..server.app import Server
 
     model = options["model_path"]
-    name = DEFAULT_MODEL_NAME if model is None else (model if not Path(model).exists() else Path(model).resolve().name)
+    name = model_label(model)
     try:
         server = Server((host, port), lambda: load_engine(**options, sessions=True), name, options["method"],
                         aliases=[model] if model else [], max_tokens=max_tokens,

@@ -7,13 +7,14 @@ import click
 from .common import echo_err, reports_errors
 
 
-@click.group("train", short_help="Build drafter training data; train EAGLE-3 and DFlash drafters.")
+@click.group("train", short_help="Build drafter training data; train EAGLE-3, DFlash, MTP and Medusa drafters.")
 def train():
-    """Build drafter training data; train EAGLE-3 and DFlash drafters against a frozen target."""
+    """Build drafter training data; train EAGLE-3, DFlash, MTP and Medusa drafters against a
+    frozen target."""
 
 
 @train.command("data", short_help="Answer assembled prompts with the target (resumable).")
-@click.option("--target", "model_path", default=None,
+@click.option("--model", "--target", "model_path", default=None,
               help="Target model: a directory or a Hugging Face repo id (default: the embedded model).")
 @click.option("--out", "out_dir", required=True, help="Output directory (train.jsonl, heldout.jsonl).")
 @click.option("--limit", type=click.IntRange(1), default=None, help="Use only the first N prompts.")
@@ -56,7 +57,7 @@ def _int_list(ctx, param, value):
 def training_options(f):
     """What every `train` command shares."""
     options = [
-        click.option("--target", "model_path", default=None,
+        click.option("--model", "--target", "model_path", default=None,
                      help="Target model: a directory or a Hugging Face repo id (default: the embedded model)."),
         click.option("--data", "data_dir", required=True, help="Output of `mlx-spec train data`."),
         click.option("--out", "out_dir", required=True,

@@ -72,8 +72,16 @@ def convert_hf(hf_path, mlx_path, quantize: bool = False, q_bits: int = 4, q_gro
     if progress:
         progress(1, 3, "checked")
 
+    # An already quantized source (an mlx-community directory): mlx-lm's quantization skips its
+    # quantized layers and its cast reaches only their scales, so asked for bits or a dtype it
+    # is dequantized first (to `dtype`, else its scales' dtype), then quantized as asked.
+    source_quantization = config.get("quantization")
+    requantize = bool(source_quantization) and (quantize or dtype is not None)
+
     def fill(tmp: Path) -> None:
         import io
+        import shutil
+        import tempfile
         from contextlib import redirect_stdout
 
         from mlx_lm.convert import convert
@@ -81,16 +89,26 @@ def convert_hf(hf_path, mlx_path, quantize: bool = False, q_bits: int = 4, q_gro
         if progress:
             progress(2, 3, "converting")
         tmp.rmdir()   # mlx-lm refuses an existing output directory
-        with redirect_stdout(io.StringIO()):   # its [INFO] lines; the CLI shows a bar instead
-            convert(str(hf_path), str(tmp), quantize=quantize, q_bits=q_bits if quantize else None,
-                    q_group_size=q_group_size if quantize else None, dtype=dtype)
+        with redirect_stdout(io.StringIO()), tempfile.TemporaryDirectory(dir=tmp.parent) as scratch:
+            # (its [INFO] lines are silenced: the CLI shows a bar instead)
+            source = hf_path
+            if requantize:
+                source = Path(scratch) / "dequantized"
+                convert(str(hf_path), str(source), dtype=dtype, dequantize=True)
+                if not quantize:
+                    shutil.move(str(source), str(tmp))
+            if not requantize or quantize:
+                convert(str(source), str(tmp), quantize=quantize, q_bits=q_bits if quantize else None,
+                        q_group_size=q_group_size if quantize else None, dtype=None if requantize else dtype)
         if progress:
             progress(3, 3, "writing")
         write_mtp_sidecar(hf_path, config, tmp, dtype)
 
+    written = ({"bits": q_bits, "group_size": q_group_size} if quantize
+               else None if requantize else source_quantization)
     info = {"source": str(hf_path), "format": "huggingface", "model_type": config.get("model_type"),
-            "converter": "mlx_lm.convert", "dtype": dtype,
-            "quantization": {"bits": q_bits, "group_size": q_group_size} if quantize else None}
+            "converter": "mlx_lm.convert", "dtype": dtype, "quantization": written,
+            "dequantized_from": source_quantization if requantize else None}
     return write_dir(mlx_path, fill, info)
 
 

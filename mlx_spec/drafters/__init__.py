@@ -5,7 +5,7 @@ a dict -> a Drafter, or None for plain decoding) and the most drafts per step wh
 --num-draft-tokens is not given (the policy verifies fewer when they do not pay)."""
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Tuple
 
 from ..errors import MlxSpecError
 from ..models.checkpoint import check_kind
@@ -35,12 +35,12 @@ def _draft_model(target, options):
 
 def _drafter_path(method: str, target, options: dict, what: str, shipped: str = None):
     """--draft-model, else the drafter shipped for the default model (the `shipped` one)."""
-    from ..models.default import shipped_drafter
+    from ..models.default import SHIPPED_DRAFTERS, shipped_drafter
 
     path = options.get("draft_model") or shipped_drafter(shipped or method, target.path)
     if not path:
-        raise MlxSpecError(f"--draft {method} needs --draft-model PATH ({what}); one ships only for "
-                           "the default model")
+        raise MlxSpecError(f"--draft {method} needs --draft-model PATH ({what}); one ships for the default "
+                           f"model SmolLM2-135M-Instruct only: {SHIPPED_DRAFTERS / (shipped or method)}")
     check_kind(path, method)
     return path
 
@@ -105,21 +105,28 @@ class Source:
     default_draft_tokens: int
     summary: str
     uses_draft_model: bool = True   # --draft-model means something to it
+    options: Tuple[str, ...] = ()   # the other options of its own that it reads (make's dict keys)
 
 
 # Lengths: lookup's and the learned drafters' bound what the policy may verify; a draft model
 # drafts mlx-lm's 3.
+TREE = ("tree_budget", "tree_topk")
 DRAFTERS = {
     "none": Source(_none, 0, "plain decoding through the same loop", uses_draft_model=False),
-    "lookup": Source(_lookup, 10, "n-grams of the prompt and output", uses_draft_model=False),
-    "model": Source(_draft_model, 3, "a small model with the same tokenizer (--draft-model)"),
+    "lookup": Source(_lookup, 10, "n-grams of the prompt and output", uses_draft_model=False,
+                     options=("ngram_max", "ngram_min")),
+    "model": Source(_draft_model, 3, "a small model with the same tokenizer (--draft-model)", options=("stop_early",)),
     "dflash": Source(_dflash, 8, "DFlash block drafter"),
-    "ddtree": Source(_ddtree, 8, "a tree from one DFlash block's distributions"),
-    "eagle": Source(_eagle, 4, "EAGLE-3 draft layer"),
-    "layerskip": Source(_layerskip, 4, "the target's first --exit-layer layers draft", uses_draft_model=False),
-    "medusa": Source(_medusa, 4, "Medusa heads on the target's last hidden state"),
-    "mtp": Source(_mtp, 3, "the target's multi-token-prediction module (DeepSeek, GLM, MiMo, Qwen3-Next)"),
+    "ddtree": Source(_ddtree, 8, "a tree from one DFlash block's distributions", options=TREE),
+    "eagle": Source(_eagle, 4, "EAGLE-3 draft layer", options=TREE + ("stop_early",)),
+    "layerskip": Source(_layerskip, 4, "the target's first --exit-layer layers draft", uses_draft_model=False,
+                        options=("exit_layer",)),
+    "medusa": Source(_medusa, 4, "Medusa heads on the target's last hidden state", options=TREE),
+    "mtp": Source(_mtp, 3, "the target's multi-token-prediction module (DeepSeek, GLM, MiMo, Qwen3-Next)",
+                  options=("stop_early",)),
 }
+# Options that only some sources read (the registry says which): given to another, refused.
+SOURCE_OPTIONS = ("ngram_max", "ngram_min", "tree_budget", "tree_topk", "exit_layer", "stop_early")
 
 
 def check_method(method: str) -> str:
@@ -131,6 +138,10 @@ def check_method(method: str) -> str:
 def draft_tokens(method: str, num_draft_tokens=None) -> int:
     """--num-draft-tokens, else the method's default."""
     return DRAFTERS[check_method(method)].default_draft_tokens if num_draft_tokens is None else num_draft_tokens
+
+
+def sources_reading(option: str) -> str:
+    return "|".join(name for name, s in DRAFTERS.items() if option in s.options)
 
 
 def make_drafter(method: str, target, options: dict):

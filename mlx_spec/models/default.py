@@ -4,6 +4,7 @@ package on PyPI and converted to an MLX model directory in the cache on first us
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 from contextlib import contextmanager
 from pathlib import Path
@@ -38,9 +39,17 @@ SHIPPED_DRAFTERS = Path(__file__).resolve().parent.parent / "shipped" / "smollm2
 
 
 def is_default_model(path) -> bool:
-    """Whether `path` is a conversion of the default model made by default_model_path."""
+    """Whether `path` is a conversion of the default model: made by default_model_path, or by
+    `convert --gguf` from the same file (its conversion record names it, with its size)."""
     path = Path(path).resolve()
-    return path.parent == models_dir().resolve() and path.name.startswith(DEFAULT_MODEL_NAME)
+    if path.parent == models_dir().resolve() and path.name.startswith(DEFAULT_MODEL_NAME):
+        return True
+    try:
+        record = json.loads((path / "mlx_spec_conversion.json").read_text())
+        source = Path(str(record["source"]))
+        return source.name == DEFAULT_GGUF_FILE and record.get("source_size") == find_default_gguf().stat().st_size
+    except (OSError, ValueError, KeyError, TypeError, MlxSpecError):
+        return False
 
 
 def shipped_drafter(method: str, model_path) -> Optional[Path]:

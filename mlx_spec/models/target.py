@@ -15,6 +15,8 @@ from ..errors import MlxSpecError
 from .checkpoint import check_not_pickled, one_line, read_config
 
 DTYPES = ("auto", "float32", "float16", "bfloat16", "keep")
+# Files one of which a tokenizer loads from (besides *.tiktoken).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tiktoken.model")
 
 
 class _TapLayer:
@@ -176,9 +178,16 @@ def load_target(path, dtype: str = "auto") -> Target:
     check_not_pickled(path)
     try:
         model, config = load_model(path, lazy=True)
-        tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
     except Exception as e:  # mlx-lm raises many types for bad files; keep it to one line
         raise MlxSpecError(f"cannot load model {path}: {one_line(e)}") from None
+    try:
+        tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
+    except Exception as e:
+        if not any((path / name).is_file() for name in TOKENIZER_FILES) and not any(path.glob("*.tiktoken")):
+            raise MlxSpecError(f"cannot load model {path}: it has no tokenizer.json (nor tokenizer.model, "
+                               "vocab.json or *.tiktoken): copy the tokenizer files of the model it was "
+                               "converted from") from None
+        raise MlxSpecError(f"cannot load the tokenizer of {path}: {one_line(e).rstrip(':')}") from None
     used = apply_dtype(model, dtype)
     mx.eval(model.parameters())
     return Target(model, tokenizer, config, path=str(path), dtype=used)
