@@ -144,7 +144,7 @@ def test_seed_reproduces_sampled_text_whatever_the_source(target, method, option
     mx.clear_cache()
 
 
-def test_the_default_model_converted_elsewhere_gets_the_shipped_drafters(tmp_path):
+def test_the_default_model_converted_elsewhere_gets_the_shipped_drafters(target, tmp_path):
     """`convert --gguf` of the packaged file to another directory is still the default model (its
     conversion record names the file and its size); another model is told where they are."""
     import json
@@ -159,4 +159,4 @@ def test_the_default_model_converted_elsewhere_gets_the_shipped_drafters(tmp_pat
     (tmp_path / "mlx_spec_conversion.json").write_text(json.dumps(record))
     assert not is_default_model(tmp_path)
     with pytest.raises(MlxSpecError, match=f"default model SmolLM2-135M-Instruct only: {SHIPPED_DRAFTERS / 'eagle'}"):
-        make_drafter("eagle", Target(None, None, {}, path=str(tmp_path)), {})
+        make_drafter("eagle", Target(target.model, target.tokenizer, target.config, path=str(tmp_path)), {})
