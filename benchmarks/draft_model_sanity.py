@@ -19,7 +19,7 @@ from mlx_lm.utils import _get_classes
 
 from mlx_spec.drafters.draft_model import DraftModelDrafter, check_same_vocabulary
 from mlx_spec.engine import Engine
-from mlx_spec.models.default import default_model_path
+from mlx_spec.convert.default import default_model_path
 from mlx_spec.models.target import load_target
 from mlx_spec.sampling import SamplingParams
 

@@ -20,7 +20,8 @@ from mlx_spec.drafters.base import Drafter
 from mlx_spec.drafters.dflash import DFlashDrafter
 from mlx_spec.drafters.eagle import EagleDrafter
 from mlx_spec.engine import Engine
-from mlx_spec.models.default import SHIPPED_DRAFTERS, default_model_path
+from mlx_spec.convert.default import default_model_path
+from mlx_spec.models.default import SHIPPED_DRAFTERS
 from mlx_spec.models.target import load_target
 
 LENGTHS = {"eagle": 4, "dflash": 8}
@@ -34,12 +35,15 @@ class Tee(Drafter):
         self.taps, self.tree = main.taps, False
         self.same = self.compared = 0
 
+    def bind(self, sampler, target_cache, keep_drafting=None):
+        for drafter in (super(), self.main, self.shadow):
+            drafter.bind(sampler, target_cache, keep_drafting)
+
     def prefill(self, context, taps, start):
         self.main.prefill(context, taps, start)
         self.shadow.prefill(context, taps, start)
 
     def propose(self, k):
-        self.shadow.sampler = self.main.sampler = self.sampler
         draft, other = self.main.propose(k), self.shadow.propose(k)
         for a, b in zip(*(t.tolist() if hasattr(t, "tolist") else t for t in (draft.tokens, other.tokens))):
             self.compared += 1
@@ -48,9 +52,9 @@ class Tee(Drafter):
             self.same += 1
         return draft
 
-    def commit(self, n_accepted, next_token, taps, path=None):
-        self.main.commit(n_accepted, next_token, taps)
-        self.shadow.commit(n_accepted, next_token, taps)
+    def commit(self, path, next_token, taps):
+        self.main.commit(path, next_token, taps)
+        self.shadow.commit(path, next_token, taps)
 
 
 def make(kind, target, path):

@@ -18,7 +18,7 @@ import mlx.core as mx
 from eagle_cost import interleaved_medians
 
 from mlx_spec.cache import make_cache, rollback_to
-from mlx_spec.models.default import default_model_path
+from mlx_spec.convert.default import default_model_path
 from mlx_spec.models.target import load_target
 
 WIDTHS = (1, 2, 3, 4, 6, 9)

@@ -27,7 +27,7 @@ def model_path(path_or_hf_repo: Optional[str] = None, revision: Optional[str] = 
     """The local directory of a model: the embedded default model when None, a directory, or a
     Hugging Face repo id (downloaded once into the hub cache)."""
     if path_or_hf_repo is None:
-        from .models.default import default_model_path
+        from .convert.default import default_model_path
 
         return default_model_path()
     return resolve(path_or_hf_repo, revision, "model")
@@ -35,10 +35,10 @@ def model_path(path_or_hf_repo: Optional[str] = None, revision: Optional[str] = 
 
 def draft_model_path(method: str, draft_model: Optional[str]) -> Optional[str]:
     """The local directory of `draft_model` for --draft `method` (as given where the source
-    takes none: make_drafter then says so)."""
+    takes none: the registry then says so)."""
     from .drafters import DRAFTERS, check_method
 
-    if draft_model and DRAFTERS[check_method(method)].uses_draft_model:
+    if draft_model and "draft_model" in DRAFTERS[check_method(method)].options.names():
         return str(resolve(draft_model, None, "draft model"))
     return draft_model
 
@@ -46,21 +46,26 @@ def draft_model_path(method: str, draft_model: Optional[str]) -> Optional[str]:
 def load(path_or_hf_repo: Optional[str] = None, draft: str = "lookup", draft_model: Optional[str] = None,
          num_draft_tokens: Optional[int] = None, dtype: str = "auto", revision: Optional[str] = None,
          adaptive: bool = True, stop_early: bool = False, residual_sampling: bool = False,
-         sessions: bool = False, ngram_max: int = 3, ngram_min: int = 1, tree_budget: int = 0,
-         tree_topk: Optional[int] = None, exit_layer: Optional[int] = None, **sampling):
+         sessions: bool = False, ngram_max: Optional[int] = None, ngram_min: Optional[int] = None,
+         tree_budget: Optional[int] = None, tree_topk: Optional[int] = None, exit_layer: Optional[int] = None,
+         **sampling):
     """(model, tokenizer): the target (default: the embedded SmolLM2-135M-Instruct) with the
     draft source `draft` (see mlx_spec.drafters.DRAFTERS; `draft_model`: its checkpoint or draft
-    model, a directory or repo id), adaptive by default. `sampling` (temp, top_p, top_k, min_p,
-    seed) sets the engine's defaults, which each generate call may override."""
-    from .drafters import draft_tokens, make_drafter
+    model, a directory or repo id), adaptive by default. The source's own options (ngram_*,
+    tree_*, exit_layer) default to its registry entry's (None: not given); one it does not read
+    is refused. `sampling` (temp, top_p, top_k, min_p, seed) sets the engine's defaults, which
+    each generate call may override."""
+    from .drafters import DRAFTERS, draft_tokens, make_drafter, source_options, sources_reading
     from .models.target import load_target
 
     num_draft_tokens = draft_tokens(draft, num_draft_tokens)
+    if stop_early and not DRAFTERS[draft].stops_early:
+        raise MlxSpecError(f"--stop-early is for --draft {sources_reading('stop_early')}, not --draft {draft}")
+    options = source_options(draft, draft_model=draft_model_path(draft, draft_model), dtype=dtype,
+                             ngram_max=ngram_max, ngram_min=ngram_min, tree_budget=tree_budget,
+                             tree_topk=tree_topk, exit_layer=exit_layer)
     target = load_target(model_path(path_or_hf_repo, revision), dtype)
-    drafter = make_drafter(draft, target, dict(
-        draft_model=draft_model_path(draft, draft_model),
-        ngram_max=ngram_max, ngram_min=ngram_min, num_draft_tokens=num_draft_tokens, dtype=dtype,
-        tree_budget=tree_budget, tree_topk=tree_topk, exit_layer=exit_layer))
+    drafter = make_drafter(draft, target, options)
     seed = sampling.pop("seed", None)
     engine = Engine(target, drafter, num_draft_tokens=num_draft_tokens, sampling=sampling_params(**sampling),
                     seed=seed, residual=residual_sampling, adaptive=adaptive, stop_early=stop_early,

@@ -22,9 +22,9 @@ import mlx.core as mx
 
 from .cache import (Replay, check_speculation, check_tree, common_prefix_length, is_recurrent, make_cache,
                     rollback_to)
-from .drafters.base import Drafter, NoDrafter
+from .drafters.base import Draft, Drafter, NoDrafter
 from .errors import MlxSpecError
-from .policy import DraftPolicy
+from .policy import DraftPlan, DraftPolicy, StepOutcome
 from .sampling import Sampler, SamplingParams
 from .tree import Tree, compact, tree_forward, verify_tree
 from .verify import verify_chain
@@ -41,7 +41,7 @@ class Stats:
     committed: int = 0          # tokens committed by verification steps (EOS included)
     steps: int = 0
     plain_steps: int = 0        # steps that verified no draft
-    drafted: int = 0            # positions the drafter computed
+    drafted: int = 0            # draft tokens the drafter proposed (a tree's nodes)
     proposed: int = 0           # drafts verified
     accepted: int = 0
     generate_seconds: float = 0.0
@@ -97,6 +97,28 @@ class Session:
                        {layer: list(pieces) for layer, pieces in self.taps.items()})
 
 
+@dataclass
+class Verdict:
+    """What one verification pass decided; the cache already ends after the accepted drafts."""
+    drafts: List[int]             # the drafts verified
+    path: List[int]               # indices into drafts of the accepted ones, root to leaf
+    next_token: int               # the target's own token after them
+    taps: Dict[int, mx.array]     # the target's features at [last token, accepted drafts]
+
+
+@dataclass
+class StepResult:
+    """One verification step, as the stats and the output read it."""
+    proposed: int                 # draft tokens the drafter proposed
+    drafts: List[int]             # those verified
+    path: List[int]               # indices into drafts of the accepted ones
+    next_token: int
+
+    @property
+    def accepted(self) -> List[int]:
+        return [self.drafts[i] for i in self.path]
+
+
 class Engine:
     """One target, one drafter, one KV cache kept across calls (a chat session)."""
 
@@ -117,14 +139,16 @@ class Engine:
         self.sampling = sampling.check(target.vocab_size)   # for calls that give none
         self.seed = seed   # None: a fresh one now, and per call where the caller wants (api.py)
         self.sampler = Sampler(self.sampling, secrets.randbits(32) if seed is None else seed, residual)
-        self.drafter.sampler = self.sampler   # the drafter draws with the same noise
         self.policy = (policy or DraftPolicy()) if adaptive and self.speculative else None
-        self.drafter.keep_drafting = (
-            (lambda confidence: self.policy.worth_extending(confidence, len(confidence)))
-            if stop_early and self.policy else None)
+        self.plan = DraftPlan(num_draft_tokens)   # this step's, which --stop-early consults
         self.keep_taps = sessions and bool(self.drafter.taps)
         self.drafter_stale = False   # True: the drafter's state is of another conversation
         self.reset()
+        # What the drafter shares with the engine, handed over once: the sampler (it draws with
+        # the same noise), the target's cache as it is now, the policy's stopping rule.
+        self.drafter.bind(self.sampler, lambda: self.cache, (
+            (lambda confidence: self.policy.worth_extending(confidence, len(confidence), self.plan.probing))
+            if stop_early and self.policy else None))
         if self.speculative:
             check_speculation(self.cache, target.model_type)
         if self.drafter.tree:
@@ -147,7 +171,6 @@ class Engine:
 
     def _attach(self, session: Session) -> None:
         self.session = session
-        self.drafter.target_cache = session.cache
         self.replay = None
 
     def reset(self) -> None:
@@ -202,24 +225,19 @@ class Engine:
             self._record_taps(taps)
         return {layer: mx.concatenate(hs, axis=1) for layer, hs in pieces.items()}
 
-    def _select(self, draft, drafted: int, tic: float):
-        """The drafts the policy finds worth verifying (their indices in `draft`). Evaluating
+    def _select(self, proposal: Draft, tic: float) -> List[int]:
+        """Indices of the proposed drafts that the policy finds worth verifying. Evaluating
         them here (one sync) measures the drafter's cost and reads its confidences."""
-        if self.policy is None or not len(draft):
-            return draft, list(range(len(draft)))
-        mx.eval(draft.tokens, draft.confidence)
-        self.policy.record_drafting(drafted, time.perf_counter() - tic)
-        confidence = draft.confidence.tolist() if isinstance(draft.confidence, mx.array) else draft.confidence
-        kept = self.policy.select(confidence or [None] * len(draft), draft.parent_nodes, drafted)
-        draft = draft.subset(kept)
-        if draft.parents == list(range(len(draft))):
-            draft.parents = None   # what is left of a tree is one chain (or nothing): verify it as one, cheaper
-        return draft, kept
+        if self.policy is None or not len(proposal):
+            return list(range(len(proposal)))
+        mx.eval(proposal.tokens, proposal.confidence)
+        self.policy.record_drafting(proposal.positions, time.perf_counter() - tic, self.plan.probing)
+        return self.policy.select(proposal.confidences, proposal.parent_nodes, proposal.positions,
+                                  self.plan.probing)
 
-    def _verify(self, context: List[int], draft):
-        """One target pass over [last token] + drafts and the verdict, with one sync.
-        Returns (drafts as ints, indices of the accepted drafts, the target's next token,
-        the target's taps at [last token, accepted drafts]); the cache ends after them."""
+    def _verify(self, context: List[int], draft: Draft) -> Verdict:
+        """One target pass over [last token] + drafts and the verdict, with one sync; the cache
+        ends after the accepted drafts."""
         # Drafts arrive as ints (lookup) or as a lazy array (model drafters), which is then
         # evaluated together with the verification.
         drafts = draft.tokens if isinstance(draft.tokens, mx.array) else mx.array(draft.tokens, mx.int32)
@@ -236,11 +254,6 @@ class Engine:
             self.cached_tokens = context + drafts
             self._roll_back(start + 1 + n_accepted)
             rows = slice(0, n_accepted + 1)
-            if len(self.cached_tokens) < start + 1 + n_accepted:
-                # The cache had to start again: fill it with the committed tokens (exact, slow).
-                self._fill(context + drafts[:n_accepted])
-            else:
-                self._record_taps({layer: h[:, rows] for layer, h in taps.items()})
         else:
             tree = Tree(draft.parents)
             logits, taps = tree_forward(self.target, inputs, tree, self.cache, self.drafter.taps)
@@ -251,23 +264,27 @@ class Engine:
             path = [node - 1 for node in nodes[1:]]
             self.cached_tokens = context + [drafts[i] for i in path]
             rows = mx.array(nodes)
-            self._record_taps({layer: h[:, rows] for layer, h in taps.items()})
-        return drafts, path, next_token, {layer: h[:, rows] for layer, h in taps.items()}
+        kept = {layer: h[:, rows] for layer, h in taps.items()}
+        if len(self.cached_tokens) < start + 1 + len(path):
+            # The cache had to start again: fill it with the committed tokens (exact, slow).
+            self._fill(context + [drafts[i] for i in path])
+        else:
+            self._record_taps(kept)
+        return Verdict(drafts, path, next_token, kept)
 
-    def _step(self, context: List[int], k: int):
-        """Draft up to k, verify what the policy keeps, commit: (positions drafted, the
-        verified drafts, indices of the accepted ones, the target's next token)."""
+    def _step(self, context: List[int]) -> StepResult:
+        """Draft up to self.plan.length, verify what the policy keeps, commit."""
         tic = time.perf_counter()
-        proposal = self.drafter.propose(k)
-        draft, kept = self._select(proposal, len(proposal) if proposal.parents is None else k, tic)
+        proposal = self.drafter.propose(self.plan.length)
+        kept = self._select(proposal, tic)
         tic = time.perf_counter()
-        drafts, path, next_token, taps = self._verify(context, draft)
+        verdict = self._verify(context, proposal.subset(kept).as_chain())
+        path = [kept[i] for i in verdict.path]   # in the proposal's indices
         if self.policy:
-            self.policy.record_verification(1 + len(drafts), time.perf_counter() - tic)
-            self.policy.record(draft.confidence or [None] * len(drafts), draft.parent_nodes, range(len(drafts)), path)
-        self.drafter.commit(len(path), next_token, taps,
-                            **({"path": [kept[i] for i in path]} if proposal.parents is not None else {}))
-        return len(proposal), drafts, path, next_token
+            self.policy.record_verification(1 + len(verdict.drafts), time.perf_counter() - tic)
+            self.policy.observe(StepOutcome(proposal.confidences, proposal.parent_nodes, kept, path))
+        self.drafter.commit(path, verdict.next_token, verdict.taps)
+        return StepResult(len(proposal), verdict.drafts, verdict.path, verdict.next_token)
 
     def _prefill(self, context: List[int]) -> int:
         """Bring the cache to context[:-1], reusing the longest prefix already there; return
@@ -313,18 +330,18 @@ class Engine:
             while not stats.finish_reason:
                 # Never draft past max_tokens: a step commits at most k + 1 tokens.
                 k = min(self.num_draft_tokens, max_tokens - stats.generated_tokens - 1)
-                k = self.policy.draft_length(k) if self.policy else k
-                drafted, drafts, path, next_token = self._step(context, k)
-                accepted = [drafts[i] for i in path]
+                self.plan = self.policy.plan(k) if self.policy else DraftPlan(k)
+                step = self._step(context)
+                accepted = step.accepted
                 stats.steps += 1
-                stats.plain_steps += not drafts
-                stats.drafted += drafted
-                stats.proposed += len(drafts)
+                stats.plain_steps += not step.drafts
+                stats.drafted += step.proposed
+                stats.proposed += len(step.drafts)
                 stats.accepted += len(accepted)
                 stats.committed += len(accepted) + 1
-                yield ("step", len(drafts), len(accepted))
+                yield ("step", len(step.drafts), len(accepted))
 
-                for token in accepted + [next_token]:   # EOS, a stop string or the limit may
+                for token in accepted + [step.next_token]:   # EOS, a stop string or the limit may
                     context.append(token)               # end the output inside the drafts
                     yield from output.add(token)
                     if stats.finish_reason:

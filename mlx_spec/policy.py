@@ -19,6 +19,7 @@ Expected tokens of a step: 1 (the target's own token) + the sum over verified dr
 P(accepted path reaches it). Cost: drafting(K) + verification(1 + verified drafts), both fit
 on this machine while it runs (cost.LinearCost)."""
 
+from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
 import numpy as np
@@ -89,7 +90,30 @@ class Calibration:
         self.tried[b] = self.decay * self.tried[b] + 1
 
 
+@dataclass(frozen=True)
+class DraftPlan:
+    """Decision 1 for one step: how many positions to draft, and whether only to learn (a probe)."""
+    length: int
+    probing: bool = False
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    """What one step drafted, verified and had accepted: what the policy learns from. Indices
+    are the proposal's; parents as in Draft (0 = the root)."""
+    confidence: Sequence[Optional[float]]   # of every proposed draft
+    parents: Sequence[int]                  # of every proposed draft
+    verified: Sequence[int]                 # the drafts the policy kept and the target verified
+    path: Sequence[int]                     # the accepted ones, root to leaf
+
+
 class DraftPolicy:
+    """The order of calls, per step: plan(max_k) -> DraftPlan (decision 1, which keeps the probe
+    schedule); after drafting, record_drafting(positions, seconds, probing) and select(...)
+    (decision 2, a pure query: `worth_extending` asks it too); after verification,
+    record_verification(width, seconds) and observe(StepOutcome), where what the drafts' fate
+    teaches is learned. The record_* calls measure costs; new_text() comes at each prompt."""
+
     def __init__(self, margin: float = 1.02, alpha_weight: float = ALPHA_WEIGHT):
         # Seconds of a verification of width w, and of drafting K positions. Until measured, a
         # one-token step is the unit and drafting is free (so that it gets measured).
@@ -108,7 +132,6 @@ class DraftPolicy:
         # Plain steps between probes: doubles at each probe, back to the first only when a
         # draft is accepted (drafting that fails must not restart the schedule)
         self.probe_interval = PROBE_FIRST
-        self.probing = False      # this step drafts to learn, not because it pays
         self.probe_seconds = 0.0  # what the last probe's drafting cost (a drafter may catch up then)
         self.texts_pay = 1.0      # recent prompts' share (decayed) on which drafting saved time
         self.text_saved = None    # seconds drafting saved on this prompt (None: it never drafted)
@@ -127,10 +150,9 @@ class DraftPolicy:
             self.skipped = max(self.skipped, self.probe_interval - PROBE_FIRST)
 
     # --- decision 1 ---------------------------------------------------------------------
-    def draft_length(self, max_k: int) -> int:
-        self.probing = False
+    def plan(self, max_k: int) -> DraftPlan:
         if max_k <= 0:
-            return 0
+            return DraftPlan(0)
         plain = self.margin / max(self.verify_cost(1), 1e-9)
         best_k = self._best_length(max_k, max(self.alpha, self.first_chance), plain)
         if best_k and self.first_chance > self.alpha and not self._best_length(max_k, self.alpha, plain):
@@ -140,7 +162,7 @@ class DraftPolicy:
             best_k = min(best_k, 2 ** self.streak)
         if best_k:
             self.skipped, self.streak = 0, self.streak + 1
-            return best_k
+            return DraftPlan(best_k)
         self.skipped, self.streak = self.skipped + 1, 0
         # Probe, cheaply: has drafting become worth it? (Rarely where even perfect drafts cannot
         # pay; that check runs only when a probe would otherwise be due.)
@@ -149,9 +171,8 @@ class DraftPolicy:
         if due or self.skipped >= max(HOPELESS_PROBE, probe_steps / PROBE_SHARE):
             longest = max(PROBE_MAX, probe_steps / PROBE_BUDGET)
             self.skipped, self.probe_interval = 0, min(2 * self.probe_interval, int(longest))
-            self.probing = True
-            return 1
-        return 0
+            return DraftPlan(1, probing=True)
+        return DraftPlan(0)
 
     def _best_length(self, max_k: int, alpha: float, plain: float) -> int:
         """The draft length with the most expected tokens per second at acceptance rate alpha
@@ -169,10 +190,10 @@ class DraftPolicy:
     def _saved(self, seconds: float) -> None:
         self.text_saved = (self.text_saved or 0.0) + seconds
 
-    def record_drafting(self, drafted: int, seconds: float) -> None:
+    def record_drafting(self, drafted: int, seconds: float, probing: bool = False) -> None:
         self._saved(-seconds)
         self.draft_cost.record(drafted, seconds)
-        if self.probing:
+        if probing:
             self.probe_seconds = seconds
 
     def record_verification(self, width: int, seconds: float) -> None:
@@ -200,16 +221,14 @@ class DraftPolicy:
             reach.append(self.calibration(conf, optimistic) * (reach[parent - 1] if parent else 1.0))
         return reach
 
-    def select(self, confidence: Sequence[Optional[float]], parents: Sequence[int], drafted: int) -> List[int]:
-        """Indices of the drafts to verify (ancestors before descendants, in order). A probe's
-        draft is judged as if its confidence bucket had one more success: a bucket that has
-        seen few outcomes gets verified (and learns), one that knows its drafts fail does not
-        (verifying a draft the drafter itself gives 1% costs a wider pass for nothing)."""
-        reach = self.reach(confidence, parents)
-        if reach:
-            self.first_chance = max(reach[i] for i in range(len(reach)) if parents[i] == 0)
-        if self.probing:
-            reach = self.reach(confidence, parents, optimistic=True)
+    def select(self, confidence: Sequence[Optional[float]], parents: Sequence[int], drafted: int,
+               probing: bool = False) -> List[int]:
+        """Indices of the drafts to verify (ancestors before descendants, in order); it learns
+        nothing. A probe's draft is judged as if its confidence bucket had one more success: a
+        bucket that has seen few outcomes gets verified (and learns), one that knows its drafts
+        fail does not (verifying a draft the drafter itself gives 1% costs a wider pass for
+        nothing)."""
+        reach = self.reach(confidence, parents, optimistic=probing)
         order = sorted(range(len(reach)), key=lambda i: (-reach[i], i))
         drafting = self.draft_cost(drafted)   # already spent, whatever is verified
         best_n, best_rate, expected = 0, 1.0 / (drafting + self.verify_cost(1)), 1.0
@@ -218,29 +237,36 @@ class DraftPolicy:
             rate = expected / (drafting + self.verify_cost(n + 1))
             if rate > best_rate:
                 best_n, best_rate = n, rate
-        if not best_n and order:
-            # Nothing worth verifying: the step's drafting was wasted, and no outcome reaches
-            # record(). Decision 1 must still learn it, or it keeps drafting what this decision
-            # keeps dropping: the best first draft's calibrated chance stands in for one.
-            self._learn(self.first_chance)
         return sorted(order[:best_n])
 
-    def worth_extending(self, confidence: Sequence[float], drafted: int) -> bool:
+    def worth_extending(self, confidence: Sequence[float], drafted: int, probing: bool = False) -> bool:
         """For a chain drafted one position at a time: whether every draft so far pays its
         verification (with `drafted` positions spent); if not, a further draft, reached less
         often, cannot either."""
-        return len(self.select(confidence, range(len(confidence)), drafted)) == len(confidence)
+        return len(self.select(confidence, range(len(confidence)), drafted, probing)) == len(confidence)
 
     # --- what happened --------------------------------------------------------------------
     def _learn(self, outcome: float) -> None:
         self.alpha += self.alpha_weight * (outcome - self.alpha)
 
-    def record(self, confidence, parents, verified: Sequence[int], path: Sequence[int]) -> None:
-        """Outcomes of the verified drafts whose parent was accepted (or is the root)."""
+    def observe(self, outcome: StepOutcome) -> None:
+        """Learn from one step: what the drafter thought of its first drafts, and the outcome
+        of each verified draft whose parent was accepted (or is the root)."""
+        confidence, parents = outcome.confidence, outcome.parents
+        if len(confidence):
+            # What the drafter thinks of the text right now: its best first draft's chance.
+            reach = self.reach(confidence, parents)
+            self.first_chance = max(reach[i] for i in range(len(reach)) if parents[i] == 0)
+            if not outcome.verified:
+                # Nothing was worth verifying: the step's drafting was wasted, and no outcome
+                # follows. Decision 1 must still learn it, or it keeps drafting what decision 2
+                # keeps dropping: the best first draft's calibrated chance stands in for one.
+                self._learn(self.first_chance)
+        path = outcome.path
         if path:
             self._saved(len(path) * self.verify_cost(1))   # a plain step per accepted draft
         accepted = set(path)
-        for i in verified:
+        for i in outcome.verified:
             parent = parents[i] - 1
             if parent < 0 or parent in accepted:
                 ok = i in accepted

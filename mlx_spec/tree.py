@@ -8,11 +8,30 @@ attention applies RoPE at `cache.offset + arange(n)`, so during a tree pass each
 rope variant stays exact). After the verdict the accepted path's K/V rows are gathered into
 contiguous cache slots (`compact`)."""
 
-from typing import List, Optional, Sequence
+from typing import Callable, Dict, Hashable, Iterable, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+
+
+def breadth_first(nodes: Iterable[Hashable], parent_of: Callable[[Hashable], Optional[Hashable]],
+                  key: Optional[Callable] = None) -> Tuple[list, List[int]]:
+    """Chosen nodes of a drafter's own tree as a draft: the nodes in breadth-first order
+    (sorted by `key`, which must put a parent before its children; None: as given) and their
+    parents as Draft and Tree number them (0 = the root, j + 1 = the j-th node of the order).
+    parent_of(node) is None for the root's children. A node whose parent was not chosen is
+    refused: silently hung off the root, it would be verified as the wrong position's draft."""
+    order = sorted(nodes, key=key) if key is not None else list(nodes)
+    number: Dict[Hashable, int] = {}
+    parents = []
+    for node in order:
+        parent = parent_of(node)
+        if parent is not None and parent not in number:
+            raise ValueError(f"draft tree node {node!r} comes without its parent {parent!r}")
+        parents.append(0 if parent is None else number[parent])
+        number[node] = len(parents)
+    return order, parents
 
 
 class Tree:

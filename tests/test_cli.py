@@ -272,7 +272,7 @@ def test_train_takes_model_as_every_command_does():
     ("dflash", "default", ["is a language model", "use --draft model"]),
 ])
 def test_a_checkpoint_of_another_kind_is_named(method, shipped, fragments):
-    from mlx_spec.models.default import default_model_path
+    from mlx_spec.convert.default import default_model_path
     from mlx_spec.models.default import shipped_drafter
 
     path = default_model_path() if shipped == "default" else shipped_drafter(shipped, default_model_path())

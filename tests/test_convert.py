@@ -123,7 +123,7 @@ def drafts_of(drafter_dir, method, prompt="Count from one to ten.", n=24):
     """Every draft proposed while the default model answers, greedy, every draft verified."""
     from mlx_spec.drafters import make_drafter
     from mlx_spec.engine import Engine
-    from mlx_spec.models.default import default_model_path
+    from mlx_spec.convert.default import default_model_path
     from mlx_spec.models.target import load_target
 
     target = load_target(default_model_path(), "auto")

@@ -12,7 +12,8 @@ from mlx_spec.drafters import draft_tokens, make_drafter
 from mlx_spec.drafters.lookup import LookupDrafter
 from mlx_spec.engine import Engine
 from mlx_spec.errors import MlxSpecError
-from mlx_spec.models.default import SHIPPED_DRAFTERS, default_model_path
+from mlx_spec.convert.default import default_model_path
+from mlx_spec.models.default import SHIPPED_DRAFTERS
 from mlx_spec.models.target import Target, load_target
 from mlx_spec.sampling import SamplingParams
 

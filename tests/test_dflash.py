@@ -202,8 +202,9 @@ class Recorder(DFlashDrafter):
         self.drafts = draft.tokens
         return draft
 
-    def commit(self, n_accepted, next_token, taps):
-        super().commit(n_accepted, next_token, taps)
+    def commit(self, path, next_token, taps):
+        super().commit(path, next_token, taps)
+        n_accepted = len(path)
         drafts = self.drafts.tolist() if isinstance(self.drafts, mx.array) else []
         self.tokens += drafts[:n_accepted] + [next_token]
         self.most_accepted = max(n_accepted, getattr(self, "most_accepted", 0))
@@ -251,7 +252,7 @@ def test_greedy_is_token_identical(tmp_path, qwen3, k, adaptive):
 
 
 def test_greedy_on_the_default_model(tmp_path):
-    from mlx_spec.models.default import default_model_path
+    from mlx_spec.convert.default import default_model_path
     from mlx_spec.models.target import load_target
 
     target = load_target(default_model_path(), "float32")

@@ -121,10 +121,10 @@ class CheckedDrafter(EagleDrafter):
             self.pairs.append((draft.tokens, reference_drafts(self.model, self.target, self.context, k)))
         return draft
 
-    def commit(self, n_accepted, next_token, taps):
+    def commit(self, path, next_token, taps):
         drafts = self.pending.tolist() if self.pending is not None else []
-        self.context += drafts[:n_accepted] + [next_token]
-        super().commit(n_accepted, next_token, taps)
+        self.context += drafts[:len(path)] + [next_token]
+        super().commit(path, next_token, taps)
 
 
 def test_taps_follow_the_layer_input_convention(target, checkpoints):
@@ -313,13 +313,13 @@ def test_what_is_left_of_a_tree_as_one_chain_is_verified_as_a_chain(target, chec
     """Where the policy keeps one path of a tree (a probe, a text where only the best guesses
     pay), the chain verifier runs: no tree mask, no cache compaction."""
     from mlx_spec import engine as engine_module
-    from mlx_spec.policy import DraftPolicy
+    from mlx_spec.policy import DraftPlan, DraftPolicy
 
     class BestPath(DraftPolicy):
-        def draft_length(self, max_k):
-            return max_k
+        def plan(self, max_k):
+            return DraftPlan(max_k)
 
-        def select(self, confidence, parents, drafted):
+        def select(self, confidence, parents, drafted, probing=False):
             path, node = [], 0
             while (children := [i for i, p in enumerate(parents) if p == node]):
                 path.append(children[0])

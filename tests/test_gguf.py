@@ -17,14 +17,10 @@ import mlx_lm
 from mlx_lm.models import llama
 
 from mlx_spec.cli.convert import convert
-from mlx_spec.convert.gguf import (
-    _rope_scaling_from_freqs,
-    build_tokenizer,
-    convert_gguf,
-    is_converted_model,
-    read_gguf_metadata,
-)
+from mlx_spec.convert.gguf import build_tokenizer, convert_gguf, is_converted_model, read_gguf_metadata
+from mlx_spec.convert.gguf.llama import _rope_scaling_from_freqs
 from mlx_spec.errors import MlxSpecError
+from mlx_spec.convert.default import default_model_path
 from mlx_spec.models import default as default_model
 
 # --------------------------------------------------------------------------------------------
@@ -543,7 +539,7 @@ def cache(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def default(cache):
-    path = default_model.default_model_path()
+    path = default_model_path()
     assert path == cache / "models" / "SmolLM2-135M-Instruct"
     model, tok = mlx_lm.load(str(path))
     return path, model, tok
@@ -601,10 +597,10 @@ def test_default_tokenizer(default):
 def test_default_model_reconverts_when_incomplete(default):
     path, _, _ = default
     stamp = (path / "model.safetensors").stat().st_mtime_ns
-    assert default_model.default_model_path() == path
+    assert default_model_path() == path
     assert (path / "model.safetensors").stat().st_mtime_ns == stamp  # not converted again
     (path / "tokenizer.json").unlink()
-    assert default_model.default_model_path() == path
+    assert default_model_path() == path
     assert is_converted_model(path)
 
 
@@ -631,7 +627,7 @@ def test_float32_matches_dequantized(default, tmp_path):
 def test_k_quant_tensors_are_dequantized(tmp_path):
     """K-quants are dequantized with the gguf package (mx.load reads Q4_K without an error
     in MLX 0.32, but its values are wrong)."""
-    from mlx_spec.convert.gguf import _open_gguf
+    from mlx_spec.convert.gguf.reader import _open_gguf
 
     rng = np.random.default_rng(0)
     qtype = gguf.GGMLQuantizationType.Q4_K

@@ -213,7 +213,7 @@ def test_converted_directory_keeps_the_module(tmp_path, arch):
     from mlx_lm.utils import load_model
 
     from mlx_spec.convert.hf import convert_hf
-    from mlx_spec.models.default import default_model_path
+    from mlx_spec.convert.default import default_model_path
 
     path, target, _, _ = write_published(tmp_path, arch, vocab_size=49152)   # the default tokenizer's
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
@@ -238,7 +238,7 @@ def test_a_quantized_target_quantizes_its_module(tmp_path):
     from mlx_lm.utils import load_model
 
     from mlx_spec.convert.hf import convert_hf
-    from mlx_spec.models.default import default_model_path
+    from mlx_spec.convert.default import default_model_path
 
     path, _, _, _ = write_published(tmp_path, "mimo", vocab_size=49152, scale=2.0)
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):

@@ -7,7 +7,7 @@ from tiny import ScriptedDrafter, plain_greedy, run, tiny_target
 from mlx_spec.cost import LinearCost
 from mlx_spec.drafters.base import Draft
 from mlx_spec.engine import Engine
-from mlx_spec.policy import PROBE_BUDGET, PROBE_FIRST, PROBE_MAX, TEXT_FLOOR, DraftPolicy
+from mlx_spec.policy import PROBE_BUDGET, PROBE_FIRST, PROBE_MAX, TEXT_FLOOR, DraftPolicy, StepOutcome
 
 PROMPT = [1, 5, 7, 9, 11, 13, 2, 5, 7, 9, 11, 13, 2, 5, 7]
 
@@ -25,7 +25,7 @@ def measured_policy(verify_slope, draft_per_position=0.0, one=0.05):
 
 def teach(policy, accepted: bool, confidence=0.9, n=60):
     for _ in range(n):
-        policy.record([confidence] * 4, [0, 1, 2, 3], range(4), [0, 1, 2, 3] if accepted else [])
+        policy.observe(StepOutcome([confidence] * 4, [0, 1, 2, 3], range(4), [0, 1, 2, 3] if accepted else []))
 
 
 def test_linear_cost_recovers_a_line_and_follows_change():
@@ -93,21 +93,20 @@ def test_linear_cost_never_falls_to_zero():
 def test_never_accepted_drafts_give_plain_steps_with_rare_probes():
     policy = measured_policy(verify_slope=0.1, draft_per_position=0.1)
     teach(policy, accepted=False)
-    lengths = [policy.draft_length(8) for _ in range(200)]
+    lengths = [policy.plan(8).length for _ in range(200)]
     assert lengths[:PROBE_FIRST - 1] == [0] * (PROBE_FIRST - 1)
     assert sum(k > 0 for k in lengths) <= 8 and set(lengths) == {0, 1}   # probes: one draft, growing intervals
     probes = [i for i, k in enumerate(lengths) if k]
     gaps = [b - a for a, b in zip(probes, probes[1:])]
     assert len(probes) >= 3 and gaps == sorted(gaps)
     # After drafting anyway (a probe), nothing is worth verifying but the one probed draft.
-    policy.probing = False
-    assert policy.select([0.9] * 8, list(range(8)), 8) == []
+    assert policy.select([0.9] * 8, list(range(8)), 8, probing=False) == []
 
 
 def test_always_accepted_drafts_give_the_longest_length():
     policy = measured_policy(verify_slope=0.1, draft_per_position=0.02)
     teach(policy, accepted=True)
-    assert policy.draft_length(8) == 8
+    assert policy.plan(8).length == 8
     assert policy.select([0.9] * 8, list(range(8)), 8) == list(range(8))
 
 
@@ -116,7 +115,7 @@ def test_the_choice_follows_the_cost_curve():
     for slope in (0.02, 0.1, 0.5, 2.0):
         policy = measured_policy(verify_slope=slope, draft_per_position=0.05)
         policy.alpha = 0.7
-        lengths.append(policy.draft_length(12))
+        lengths.append(policy.plan(12).length)
     assert lengths == sorted(lengths, reverse=True) and lengths[0] > lengths[-1]
     assert lengths[-1] == 0   # verification twice a step per extra token: drafting never pays
 
@@ -171,7 +170,7 @@ def test_engine_drafts_what_pays(useful):
     tokens, stats = run(engine, PROMPT, 120)
     assert tokens == expected
     if useful:
-        assert stats.tokens_per_step > 4 and engine.policy.draft_length(6) == 6
+        assert stats.tokens_per_step > 4 and engine.policy.plan(6).length == 6
     else:
         # Its confidence (0.9) is a lie: the steps until the calibration has learned that cost
         # some drafting, then plain steps and rare probes.
@@ -184,7 +183,7 @@ def test_a_drafter_as_slow_as_the_target_is_left_alone():
     policy neither drafts nor probes (but once in a long while)."""
     policy = measured_policy(verify_slope=0.1, draft_per_position=1.0)
     teach(policy, accepted=True)
-    lengths = [policy.draft_length(3) for _ in range(200)]
+    lengths = [policy.plan(3).length for _ in range(200)]
     assert lengths == [0] * 200
 
 
@@ -195,10 +194,10 @@ def test_costly_probes_come_rarely():
     teach(policy, accepted=True)
     probes = []
     for step in range(5000):
-        k = policy.draft_length(3)
-        if k:
+        plan = policy.plan(3)
+        if plan.length:
             probes.append(step)
-            policy.record_drafting(k, 20 * 0.05)   # 20 steps of 0.05 s
+            policy.record_drafting(plan.length, 20 * 0.05, plan.probing)   # 20 steps of 0.05 s
     gaps = [b - a for a, b in zip(probes, probes[1:])]
     assert probes and min(gaps) >= 20 / 0.02 - 1
 
@@ -212,10 +211,12 @@ def test_drafts_never_worth_verifying_stop_being_drafted():
         policy.calibration.record(0.05, False)
     lengths = []
     for _ in range(200):
-        k = policy.draft_length(4)
+        plan = policy.plan(4)
+        k = plan.length
         lengths.append(k)
         if k:
-            assert policy.select([0.05] * k, list(range(k)), k) == []
+            assert policy.select([0.05] * k, list(range(k)), k, plan.probing) == []
+            policy.observe(StepOutcome([0.05] * k, list(range(k)), [], []))
     assert sum(lengths[-100:]) <= 3   # plain steps, but for rare probes
 
 
@@ -224,13 +225,11 @@ def test_a_probe_verifies_where_the_calibration_knows_little():
     learns it), though the same draft outside a probe is not worth it; once its bucket has
     seen enough failures, probes stop verifying it too."""
     policy = cpu_like_policy()
-    policy.probing = False
-    assert policy.select([0.02], [0], 1) == []
-    policy.probing = True
-    assert policy.select([0.02], [0], 1) == [0]
+    assert policy.select([0.02], [0], 1, probing=False) == []
+    assert policy.select([0.02], [0], 1, probing=True) == [0]
     for _ in range(12):
-        policy.record([0.02], [0], [0], [])
-    assert policy.select([0.02], [0], 1) == []
+        policy.observe(StepOutcome([0.02], [0], [0], []))
+    assert policy.select([0.02], [0], 1, probing=True) == []
 
 
 def test_a_confident_draft_resumes_drafting_at_once():
@@ -242,13 +241,13 @@ def test_a_confident_draft_resumes_drafting_at_once():
     teach(policy, accepted=True, confidence=0.95, n=30)     # confident drafts are right
     teach(policy, accepted=False, confidence=0.05, n=60)    # unsure ones are not, for a while
     policy.first_chance = 0.0
-    assert policy.draft_length(6) == 0
-    policy.select([0.05], [0], drafted=1)                  # another unsure draft
-    assert policy.draft_length(6) == 0
+    assert policy.plan(6).length == 0
+    policy.observe(StepOutcome([0.05], [0], [], []))       # another unsure draft, not worth verifying
+    assert policy.plan(6).length == 0
     lengths = []
     for _ in range(3):
-        policy.select([0.95], [0], drafted=1)              # a sure one
-        lengths.append(policy.draft_length(6))
+        policy.observe(StepOutcome([0.95], [0], [0], [0]))   # a sure one, and right
+        lengths.append(policy.plan(6).length)
     assert lengths == [1, 2, 4]
 
 
@@ -259,14 +258,13 @@ def test_drafting_that_fails_does_not_restart_the_probe_schedule():
     teach(policy, accepted=False, confidence=0.05, n=60)
     policy.first_chance = 0.0
     for _ in range(40):
-        policy.draft_length(6)
+        policy.plan(6).length
     interval = policy.probe_interval
     assert interval > PROBE_FIRST
-    policy.select([0.95], [0], drafted=1)                  # sure, so drafting resumes
-    assert policy.draft_length(6) == 1
-    policy.record([0.95], [0], [0], [])                    # and fails
+    policy.observe(StepOutcome([0.95], [0], [0], []))      # sure, but fails
     assert policy.probe_interval == interval
-    policy.record([0.05], [0], [0], [0])                   # an accepted draft
+    assert policy.plan(6).length == 1                     # sure: drafting resumes
+    policy.observe(StepOutcome([0.05], [0], [0], [0]))     # an accepted draft
     assert policy.probe_interval == PROBE_FIRST
 
 
@@ -278,11 +276,11 @@ def test_the_calibration_follows_a_change_of_text_within_a_few_drafts():
     teach(policy, accepted=True, confidence=0.9, n=25)       # 100 outcomes
     assert policy.calibration(0.9) > 0.85
     for _ in range(10):
-        policy.record([0.9], [0], [0], [])
+        policy.observe(StepOutcome([0.9], [0], [0], []))
     assert policy.calibration.bucket_chance(0.9) > 0.65      # the bucket still trusts it
     assert policy.calibration(0.9) < 0.4
     for _ in range(10):
-        policy.record([0.9], [0], [0], [0])
+        policy.observe(StepOutcome([0.9], [0], [0], [0]))
     assert policy.calibration(0.9) > 0.7
 
 
@@ -292,26 +290,27 @@ def test_a_new_prompt_trusts_the_calibration_again_and_probes_soon():
     policy = cpu_like_policy()
     teach(policy, accepted=True, confidence=0.9, n=25)
     for _ in range(10):
-        policy.record([0.9], [0], [0], [])
+        policy.observe(StepOutcome([0.9], [0], [0], []))
     policy.first_chance, policy.alpha = 0.0, 0.0
-    lengths = [policy.draft_length(4) for _ in range(300)]
+    lengths = [policy.plan(4).length for _ in range(300)]
     assert sum(lengths) <= 8 and policy.calibration(0.9) < 0.4
     policy.new_text()
     assert policy.calibration(0.9) == pytest.approx(policy.calibration.bucket_chance(0.9))
-    assert any(policy.draft_length(4) for _ in range(PROBE_FIRST))
+    assert any(policy.plan(4).length for _ in range(PROBE_FIRST))
 
 
 def plain_or_probe_step(policy, max_k, accepted=False, probe_seconds=0.0):
     """One engine step against the policy: the length, then the costs and the outcome; a probe's
     one draft is verified and accepted or not. Returns the length."""
-    k = policy.draft_length(max_k)
+    plan = policy.plan(max_k)
+    k = plan.length
     if k:
-        policy.record_drafting(k, probe_seconds)
+        policy.record_drafting(k, probe_seconds, plan.probing)
         policy.record_verification(2, policy.verify_cost(2))
-        policy.record([0.5], [0], [0], [0] if accepted else [])
+        policy.observe(StepOutcome([0.5], [0], [0], [0] if accepted else []))
     else:
         policy.record_verification(1, policy.verify_cost(1))
-        policy.record([], [], range(0), [])
+        policy.observe(StepOutcome([], [], [], []))
     return k
 
 
@@ -348,3 +347,17 @@ def test_new_prompts_are_probed_at_once_while_drafting_saves_time_on_them():
     assert policy.texts_pay < TEXT_FLOOR
     assert prompt(accepted=True, steps=300)   # the schedule's probe finds drafts that pay
     assert prompt()
+
+
+def test_a_stopping_query_learns_nothing():
+    """--stop-early asks the policy after each draft whether the next one pays: a question, not
+    an outcome. The step's drafts are learned from once, when the step is observed (a wasted
+    first draft used to be learned twice)."""
+    policy = cpu_like_policy()
+    for _ in range(100):
+        policy.calibration.record(0.05, False)
+    alpha, first_chance = policy.alpha, policy.first_chance
+    assert not policy.worth_extending([0.05], 1)
+    assert (policy.alpha, policy.first_chance) == (alpha, first_chance)
+    policy.observe(StepOutcome([0.05], [0], [], []))   # the step: drafted, nothing worth verifying
+    assert policy.alpha == pytest.approx(alpha + policy.alpha_weight * (policy.first_chance - alpha))   # once

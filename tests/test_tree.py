@@ -91,9 +91,9 @@ class ScriptedTreeDrafter(Drafter):
             tokens.append(truth if node in tree.path_to(7) else (truth + node) % self.vocab)
         return Draft(tokens=tokens, parents=self.parents)
 
-    def commit(self, n_accepted, next_token, taps, path=None):
-        assert path is not None
-        self.position += n_accepted + 1
+    def commit(self, path, next_token, taps):
+        assert all(self.parents[b] == a + 1 for a, b in zip(path, path[1:]))   # root to leaf, in the tree
+        self.position += len(path) + 1
 
 
 def test_tree_greedy_is_token_identical():
@@ -126,7 +126,7 @@ class FixedTreeDrafter(Drafter):
     def prefill(self, context, taps, start):
         self.last = context[-1]
 
-    def commit(self, n_accepted, next_token, taps, path=None):
+    def commit(self, path, next_token, taps):
         self.last = next_token
 
 

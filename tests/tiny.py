@@ -69,7 +69,7 @@ def tiny_chat_model_dir(path, seed=0):
     """A tiny random model with the default model's tokenizer and chat template."""
     import shutil
 
-    from mlx_spec.models.default import default_model_path
+    from mlx_spec.convert.default import default_model_path
 
     config = tiny_config(vocab_size=49152, hidden_size=64, context=2048)
     path = save_model(tiny_model(config, seed=seed, scale=4.0), config, path)
@@ -95,5 +95,5 @@ class ScriptedDrafter(Drafter):
         self.last = drafts
         return Draft(tokens=drafts)
 
-    def commit(self, n_accepted, next_token, taps):
-        self.position += n_accepted + 1
+    def commit(self, path, next_token, taps):
+        self.position += len(path) + 1

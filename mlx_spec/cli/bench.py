@@ -3,14 +3,15 @@ from pathlib import Path
 import click
 
 from ..drafters import DRAFTERS
-from .common import echo_err, reports_errors
+from ..models.target import DTYPES
+from .common import echo_err, reports_errors, source_defaults
 
 
 @click.command("bench", short_help="Time draft methods against plain mlx-lm, per prompt category.")
 @click.option("--model", "model_path", default=None,
               help="mlx-lm model: a directory or a Hugging Face repo id (default: the embedded model).")
 @click.option("--revision", default=None, help="The model's revision on the Hugging Face hub.")
-@click.option("--dtype", default="auto", show_default=True, help="auto|float32|float16|bfloat16|keep.")
+@click.option("--dtype", default="auto", show_default=True, help=f"{'|'.join(DTYPES)}.")
 @click.option("--prompts", default=None, help="JSONL: {\"prompt\"} or {\"question_id\", \"category\", \"turns\"}.")
 @click.option("--category", "categories", multiple=True, help="Only these categories (repeatable).")
 @click.option("--methods", default="none,lookup", show_default=True,
@@ -20,10 +21,10 @@ from .common import echo_err, reports_errors
                    "repeatable.")
 @click.option("--num-draft-tokens", type=click.IntRange(0), default=None,
               help="Most drafts per step, for every method (default: each method's own).")
-@click.option("--tree-budget", type=click.IntRange(0, 512), default=0, show_default=True,
-              help="eagle: a tree of this many nodes (0: a chain); ddtree: the most nodes (0: 16).")
+@click.option("--tree-budget", type=click.IntRange(0, 512), default=None,
+              help=f"Nodes of a draft tree (0: a chain), for the methods that draft trees: {source_defaults('tree_budget')}.")
 @click.option("--tree-topk", type=click.IntRange(1, 64), default=None,
-              help="eagle: children per expanded node [8]; ddtree: candidates per position [4].")
+              help=f"Children per expanded node (eagle), candidates per position: {source_defaults('tree_topk')}.")
 @click.option("--exit-layer", type=int, default=None,
               help="layerskip: the target's first E layers (then its norm and head) draft.")
 @click.option("--max-tokens", "-m", type=click.IntRange(1), default=128, show_default=True,
@@ -51,7 +52,7 @@ def bench(model_path, revision, dtype, prompts, categories, methods, draft_model
     from .. import bench as harness
     from ..api import draft_model_path
     from ..api import model_path as resolve_model
-    from ..drafters import draft_tokens, make_drafter
+    from ..drafters import draft_tokens, make_drafter, source_options
     from ..engine import Engine
     from ..errors import MlxSpecError
     from ..models.target import load_target
@@ -80,10 +81,10 @@ def bench(model_path, revision, dtype, prompts, categories, methods, draft_model
     engines, lengths = {}, {}
     for name in names:
         lengths[name] = draft_tokens(name, num_draft_tokens)
-        drafter = make_drafter(name, target, dict(draft_model=draft_model_path(name, paths.get(name)),
-                                                  num_draft_tokens=lengths[name],
-                                                  dtype=dtype, tree_budget=tree_budget, tree_topk=tree_topk,
-                                                  exit_layer=exit_layer))
+        given = dict(tree_budget=tree_budget, tree_topk=tree_topk, exit_layer=exit_layer)   # to the sources that read them
+        drafter = make_drafter(name, target, source_options(
+            name, draft_model=draft_model_path(name, paths.get(name)), dtype=dtype,
+            **{k: v for k, v in given.items() if k in DRAFTERS[name].options.names()}))
         engines[name] = Engine(target, drafter, num_draft_tokens=lengths[name], sampling=sampling, seed=seed,
                                residual=residual, adaptive=adaptive, stop_early=stop_early)
     if not engines:

@@ -71,7 +71,7 @@ class CtrlC:
 @reports_errors
 def chat(max_tokens, system, **options):
     """Chat in the terminal, with line editing; the cache is kept across turns."""
-    engine = load_engine(**options)
+    engine = load_engine(options)
     tokenizer = engine.target.tokenizer
     limit = engine.target.context_length
     start = [{"role": "system", "content": system}] if system else []
@@ -84,7 +84,7 @@ def chat(max_tokens, system, **options):
     messages = list(start)
     line_editing()
     adaptive = "adaptive" if options["adaptive"] else f"{engine.num_draft_tokens} drafts per step"
-    echo_err(f"mlx-spec chat: {model_label(options['model_path'])}, --draft {options['method']}"
+    echo_err(f"mlx-spec chat: {model_label(options['path_or_hf_repo'])}, --draft {options['draft']}"
              + (f" ({adaptive})" if engine.speculative else "")
              + (f", temperature {options['temp']}" if options["temp"] else ""))
     echo_err(GREETING)

@@ -8,23 +8,34 @@ import click
 from ..errors import MlxSpecError
 
 
-def model_options(f):
-    """--model/--dtype and the draft-source options, named as in mlx-lm where it has them."""
+def source_defaults(option: str) -> str:
+    """Which sources read `option`, with their defaults, from the registry: "eagle [8], ddtree [4]"."""
     from ..drafters import DRAFTERS
+
+    return ", ".join(f"{name} [{getattr(source.options(), option)}]" for name, source in DRAFTERS.items()
+                     if option in source.options.names())
+
+
+def model_options(f):
+    """--model/--dtype and the draft-source options, named as in mlx-lm where it has them; their
+    destinations are api.load's argument names. A source's own options default to None (not
+    given): the registry holds their defaults, which the help shows."""
+    from ..drafters import DRAFTERS, sources_reading
     from ..models.target import DTYPES
 
     options = [
-        click.option("--model", "model_path", default=None,
+        click.option("--model", "path_or_hf_repo", default=None,
                      help="mlx-lm model: a directory or a Hugging Face repo id (default: the embedded "
                           "SmolLM2-135M-Instruct)."),
         click.option("--revision", default=None,
                      help="The model's revision on the Hugging Face hub (branch, tag or commit)."),
         click.option("--dtype", default="auto", show_default=True,
                      help=f"{'|'.join(DTYPES)}. auto: quantized weights on a GPU, float32 on the CPU."),
-        click.option("--draft", "method", default="lookup", show_default=True,
+        click.option("--draft", default="lookup", show_default=True,
                      help=f"Source of drafts: {'|'.join(DRAFTERS)}."),
         click.option("--draft-model", default=None,
-                     help="Drafter checkpoint or draft model: a directory or a Hugging Face repo id."),
+                     help="Drafter checkpoint or draft model: a directory or a Hugging Face repo id "
+                          f"({sources_reading('draft_model').replace('|', ', ')})."),
         click.option("--num-draft-tokens", type=click.IntRange(0), default=None,
                      help="Most drafts per step (default per method: "
                           + ", ".join(f"{m} {s.default_draft_tokens}" for m, s in DRAFTERS.items()
@@ -34,18 +45,17 @@ def model_options(f):
                           "costs measured while running (none when drafting does not pay); fixed: "
                           "always --num-draft-tokens."),
         click.option("--stop-early", is_flag=True,
-                     help="model, eagle (chain): stop drafting once the next draft would not pay "
-                          "(a sync per draft)."),
-        click.option("--ngram-max", type=click.IntRange(1), default=3, show_default=True,
-                     help="lookup: longest n-gram matched."),
-        click.option("--ngram-min", type=click.IntRange(1), default=1, show_default=True,
-                     help="lookup: shortest n-gram matched."),
-        click.option("--tree-budget", type=click.IntRange(0, 512), default=0, show_default=True,
-                     help="eagle: draft a tree of this many nodes (0: a chain of --num-draft-tokens); "
-                          "ddtree: the most nodes (0: 16)."),
+                     help=f"{sources_reading('stop_early').replace('|', ', ')} (chains): stop drafting once "
+                          "the next draft would not pay (a sync per draft)."),
+        click.option("--ngram-max", type=click.IntRange(1), default=None,
+                     help=f"Longest n-gram matched: {source_defaults('ngram_max')}."),
+        click.option("--ngram-min", type=click.IntRange(1), default=None,
+                     help=f"Shortest n-gram matched: {source_defaults('ngram_min')}."),
+        click.option("--tree-budget", type=click.IntRange(0, 512), default=None,
+                     help=f"Nodes of a draft tree (0: a chain of --num-draft-tokens): {source_defaults('tree_budget')}."),
         click.option("--tree-topk", type=click.IntRange(1, 64), default=None,
-                     help="eagle: children per expanded node [8]; ddtree: candidates per position [4]. "
-                          "--num-draft-tokens is the tree's depth."),
+                     help=f"Children per expanded node (eagle), candidates per position: "
+                          f"{source_defaults('tree_topk')}. --num-draft-tokens is the tree's depth."),
         click.option("--exit-layer", type=int, default=None,
                      help="layerskip: the target's first E layers (then its norm and head) draft."),
         click.option("--temp", type=float, default=0.0, show_default=True, help="Sampling temperature."),
@@ -55,7 +65,7 @@ def model_options(f):
         click.option("--seed", type=int, default=None,
                      help="Random seed: the same seed gives the same sampled text, whatever --draft "
                           "(default: a fresh one, printed with the statistics when sampling)."),
-        click.option("--residual-sampling", "residual", is_flag=True,
+        click.option("--residual-sampling", is_flag=True,
                      help="Accept sampled drafts by the residual rule (may accept more; the output for a "
                           "seed then depends on the draft source and timing)."),
     ]
@@ -77,34 +87,11 @@ def reports_errors(f):
     return wrapper
 
 
-def check_source_options(method: str) -> None:
-    """Refuse, in one line, an option given on the command line that --draft `method` does not read."""
-    from ..drafters import DRAFTERS, SOURCE_OPTIONS, check_method, sources_reading
-
-    ctx = click.get_current_context(silent=True)
-    if ctx is None:
-        return
-    used = DRAFTERS[check_method(method)].options
-    for name in SOURCE_OPTIONS:
-        source = ctx.get_parameter_source(name)
-        if source in (click.core.ParameterSource.COMMANDLINE, click.core.ParameterSource.ENVIRONMENT) \
-                and name not in used:
-            flag = "--" + name.replace("_", "-")
-            raise MlxSpecError(f"{flag} is for --draft {sources_reading(name)}, not --draft {method}")
-
-
-def load_engine(model_path, revision, dtype, method, draft_model, num_draft_tokens, ngram_max, ngram_min,
-                tree_budget, tree_topk, exit_layer, temp, top_p, top_k, min_p, seed, residual, adaptive,
-                stop_early, sessions=False):
+def load_engine(options: dict, sessions: bool = False):
+    """The engine of model_options' values (api.load's arguments)."""
     from ..api import load
 
-    check_source_options(method)
-    engine, _ = load(model_path, draft=method, draft_model=draft_model, num_draft_tokens=num_draft_tokens,
-                     dtype=dtype, revision=revision, adaptive=adaptive, stop_early=stop_early,
-                     residual_sampling=residual, sessions=sessions, ngram_max=ngram_max, ngram_min=ngram_min,
-                     tree_budget=tree_budget, tree_topk=tree_topk, exit_layer=exit_layer, temp=temp,
-                     top_p=top_p, top_k=top_k, min_p=min_p, seed=seed)
-    return engine
+    return load(**options, sessions=sessions)[0]
 
 
 def model_label(model_path) -> str:

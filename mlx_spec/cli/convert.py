@@ -7,6 +7,7 @@ import sys
 
 import click
 
+from ..models.checkpoint import FLOAT_DTYPES
 from .common import reports_errors
 
 
@@ -26,7 +27,7 @@ from .common import reports_errors
 @click.option("--revision", default=None, help="--hf-path/--drafter repo id: its revision (branch, tag, commit).")
 @click.option("--mlx-path", required=True, type=click.Path(file_okay=False, path_type=str),
               help="Directory to write the MLX model to (must not exist or be empty).")
-@click.option("--dtype", type=click.Choice(["keep", "float32", "float16", "bfloat16"]), default="keep",
+@click.option("--dtype", type=click.Choice(["keep", *FLOAT_DTYPES]), default="keep",
               show_default=True,
               help="keep: the checkpoint's own dtype (GGUF: quantized tensors stay packed, mlx-lm "
                    "quantization, group size 32); otherwise cast (GGUF: dequantize) every weight to "

@@ -40,7 +40,7 @@ def generate(prompt_arg, prompt_opt, max_tokens, system, no_chat_template, as_js
             raise click.UsageError("the prompt is empty: nothing came on stdin")
     if not prompt.strip():
         raise click.UsageError("the prompt is empty")
-    engine = load_engine(**options)
+    engine = load_engine(options)
     tokens = encode_prompt(engine.target.tokenizer, prompt, system, not no_chat_template)
     events = engine.generate(tokens, max_tokens=max_tokens)
     if as_json:

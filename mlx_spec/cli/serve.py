@@ -31,17 +31,17 @@ def serve(host, port, max_tokens, api_key, prompt_cache_size, prompt_cache_bytes
     with the --draft source, and a chat's next turn computes only its new tokens."""
     from ..server.app import Server
 
-    model = options["model_path"]
+    model = options["path_or_hf_repo"]
     name = model_label(model)
     try:
-        server = Server((host, port), lambda: load_engine(**options, sessions=True), name, options["method"],
+        server = Server((host, port), lambda: load_engine(options, sessions=True), name, options["draft"],
                         aliases=[model] if model else [], max_tokens=max_tokens,
                         api_key=api_key, max_body_bytes=max_body_bytes, max_sessions=prompt_cache_size,
                         max_cache_bytes=prompt_cache_bytes, log=echo_err)
     except OSError as e:
         raise click.ClickException(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
     bound_host, bound_port = server.server_address[:2]
-    echo_err(f"mlx-spec serve: {name} (--draft {options['method']}) on http://{bound_host}:{bound_port}/v1"
+    echo_err(f"mlx-spec serve: {name} (--draft {options['draft']}) on http://{bound_host}:{bound_port}/v1"
              f"{' (API key required)' if api_key else ''}; Ctrl-C stops")
     signal.signal(signal.SIGTERM, _interrupt)
     try:

@@ -4,6 +4,7 @@ from pathlib import Path
 
 import click
 
+from ..models.checkpoint import FLOAT_DTYPES
 from .common import echo_err, reports_errors
 
 
@@ -54,8 +55,30 @@ def _int_list(ctx, param, value):
         raise click.BadParameter(f"expected comma-separated integers, got {value!r}") from None
 
 
+KINDS = ("eagle", "dflash", "mtp", "medusa")
+
+
+def _options_class(kind: str):
+    from ..train.dflash import DFlashOptions
+    from ..train.eagle import EagleOptions
+    from ..train.medusa import MedusaOptions
+    from ..train.mtp import MTPOptions
+
+    return {"eagle": EagleOptions, "dflash": DFlashOptions, "mtp": MTPOptions, "medusa": MedusaOptions}[kind]
+
+
+def _default(name: str, kinds=KINDS) -> str:
+    """The default of option `name`, as the options classes have it: "[4]", or per kind where
+    they differ ("[eagle 4, dflash 2, ...]")."""
+    values = {kind: getattr(_options_class(kind)(), name) for kind in kinds}
+    if len(set(map(str, values.values()))) == 1:
+        return f"[{next(iter(values.values()))}]"
+    return "[" + ", ".join(f"{kind} {value}" for kind, value in values.items()) + "]"
+
+
 def training_options(f):
-    """What every `train` command shares."""
+    """What every `train` command shares. Option defaults are None: the options class of the
+    kind holds the defaults (LoopOptions.given), which the help shows."""
     options = [
         click.option("--model", "--target", "model_path", default=None,
                      help="Target model: a directory or a Hugging Face repo id (default: the embedded model)."),
@@ -63,34 +86,33 @@ def training_options(f):
         click.option("--out", "out_dir", required=True,
                      help="Drafter directory: the published checkpoint, checkpoint/ (to resume), "
                           "features/ (the target's cached features), train_log.jsonl."),
-        click.option("--steps", type=click.IntRange(1), default=2000, show_default=True,
-                     help="Optimizer steps in all (a resumed run continues up to it)."),
+        click.option("--steps", type=click.IntRange(1), default=None,
+                     help=f"Optimizer steps in all (a resumed run continues up to it) {_default('steps')}."),
         click.option("--batch-size", "--batch", type=click.IntRange(1), default=None,
-                     help="Sequences per step [eagle, mtp, medusa: 4; dflash: 2]."),
+                     help=f"Sequences per step {_default('batch_size')}."),
         click.option("--lr", type=click.FloatRange(min=0, min_open=True), default=None,
-                     help="Peak AdamW learning rate [eagle, mtp: 3e-4; dflash: 6e-4; medusa: 1e-3]."),
-        click.option("--warmup", type=click.IntRange(0), default=50, show_default=True,
-                     help="Linear warmup steps, then cosine decay to lr/10."),
-        click.option("--weight-decay", type=click.FloatRange(0), default=0.0, show_default=True,
-                     help="AdamW weight decay."),
-        click.option("--max-length", type=click.IntRange(4), default=1024, show_default=True,
-                     help="Longest sequence (prompt + response) in tokens."),
-        click.option("--save-every", type=click.IntRange(0), default=200, show_default=True,
-                     help="Checkpoint every N steps (0: only at the end)."),
+                     help=f"Peak AdamW learning rate {_default('lr')}."),
+        click.option("--warmup", type=click.IntRange(0), default=None,
+                     help=f"Linear warmup steps, then cosine decay to lr/10 {_default('warmup')}."),
+        click.option("--weight-decay", type=click.FloatRange(0), default=None,
+                     help=f"AdamW weight decay {_default('weight_decay')}."),
+        click.option("--max-length", type=click.IntRange(4), default=None,
+                     help=f"Longest sequence (prompt + response) in tokens {_default('max_length')}."),
+        click.option("--save-every", type=click.IntRange(0), default=None,
+                     help=f"Checkpoint every N steps (0: only at the end) {_default('save_every')}."),
         click.option("--resume", is_flag=True, help="Continue from OUT/checkpoint."),
-        click.option("--init", "init_dir", default=None,
+        click.option("--init", default=None,
                      help="Start from this published drafter's weights (a directory or a repo id, e.g. a "
-                          "shipped one); "
-                          "its shape and taps win over the shape options."),
-        click.option("--max-minutes", type=click.FloatRange(0), default=0, show_default=True,
+                          "shipped one); its shape and taps win over the shape options."),
+        click.option("--max-minutes", type=click.FloatRange(0), default=None,
                      help="Stop after this many minutes of training, checkpointed (0: no limit); "
-                          "--resume continues."),
-        click.option("--seed", type=int, default=0, show_default=True,
-                     help="Initial weights, batch order and anchors."),
+                          f"--resume continues {_default('max_minutes')}."),
+        click.option("--seed", type=int, default=None,
+                     help=f"Initial weights, batch order and anchors {_default('seed')}."),
         click.option("--dtype", default="auto", show_default=True,
                      help="Target dtype (auto: float32 on the CPU). The drafter trains in float32."),
-        click.option("--save-dtype", type=click.Choice(["float32", "float16", "bfloat16"]),
-                     default="float32", show_default=True, help="dtype of the published weights."),
+        click.option("--save-dtype", type=click.Choice(list(FLOAT_DTYPES)), default=None,
+                     help=f"dtype of the published weights {_default('save_dtype')}."),
         click.option("--feature-cache", default=None,
                      help="Directory for the target's features (default: OUT/features)."),
     ]
@@ -131,19 +153,20 @@ class _Bars:
                 setattr(self, name, None)
 
 
-def _run_training(label, train_fn, options, model_path, data_dir, out_dir, dtype, resume, feature_cache):
+def _run_training(kind, train_fn, model_path, data_dir, out_dir, dtype, resume, feature_cache, **given):
     from ..api import model_path as resolve_model
     from ..hub import resolve
     from ..models.target import load_target
     from ..train.loop import load_sequences, resume_step, used_indices
 
+    options = _options_class(kind).given(**given)
     sequences = load_sequences(data_dir, options.max_length)   # data errors before the target loads
     start = resume_step(out_dir, resume) if Path(out_dir).is_dir() else 0
     target = load_target(resolve_model(model_path), dtype)
     if options.init:
         options = replace(options, init=str(resolve(options.init, None, "drafter")))
     n = len(used_indices(len(sequences), options.batch_size, start, options.steps, options.seed))
-    bars = _Bars(n, options.steps, start, label)
+    bars = _Bars(n, options.steps, start, kind)
     try:
         result = train_fn(target, data_dir, out_dir, options, resume=resume,
                           feature_dir=feature_cache or "default", progress=bars.step,
@@ -156,90 +179,69 @@ def _run_training(label, train_fn, options, model_path, data_dir, out_dir, dtype
 
 @train.command("eagle", short_help="Train an EAGLE-3 draft layer against the frozen target.")
 @training_options
-@click.option("--ttt-steps", type=click.IntRange(1), default=7, show_default=True,
-              help="Training-time test: steps the layer runs on its own outputs.")
-@click.option("--draft-vocab-size", type=click.IntRange(1), default=8192, show_default=True,
-              help="Draft head size: the most frequent target tokens of the data.")
+@click.option("--ttt-steps", type=click.IntRange(1), default=None,
+              help=f"Training-time test: steps the layer runs on its own outputs {_default('ttt_steps', ['eagle'])}.")
+@click.option("--draft-vocab-size", type=click.IntRange(1), default=None,
+              help=f"Draft head size: the most frequent target tokens of the data {_default('draft_vocab_size', ['eagle'])}.")
 @click.option("--layer-ids", callback=_int_list, default=None,
               help="Fused target layers, EAGLE's convention (inputs of layers), e.g. 2,15,27 "
                    "(default: 2, N//2, N-3).")
 @reports_errors
-def eagle(model_path, data_dir, out_dir, steps, batch_size, lr, warmup, weight_decay, max_length, save_every,
-          resume, init_dir, max_minutes, seed, dtype, save_dtype, feature_cache, ttt_steps, draft_vocab_size, layer_ids):
+def eagle(**given):
     """Train an EAGLE-3 draft layer (SafeAILab layout) against a frozen target."""
-    from ..train.eagle import EagleOptions, train_eagle
+    from ..train.eagle import train_eagle
 
-    options = EagleOptions(steps=steps, batch_size=batch_size or 4, lr=lr or 3e-4, warmup=warmup,
-                           weight_decay=weight_decay, ttt_steps=ttt_steps, draft_vocab_size=draft_vocab_size,
-                           max_length=max_length, save_every=save_every, seed=seed, save_dtype=save_dtype,
-                           layer_ids=layer_ids, init=init_dir, max_minutes=max_minutes)
-    _run_training("eagle", train_eagle, options, model_path, data_dir, out_dir, dtype, resume, feature_cache)
+    _run_training("eagle", train_eagle, **given)
 
 
 @train.command("dflash", short_help="Train a DFlash drafter against the frozen target.")
 @training_options
-@click.option("--layers", type=click.IntRange(1), default=2, show_default=True, help="Drafter layers.")
-@click.option("--block-size", type=click.IntRange(2), default=16, show_default=True,
-              help="Tokens per block: the anchor and the positions drafted from it in one pass.")
+@click.option("--layers", type=click.IntRange(1), default=None, help=f"Drafter layers {_default('layers', ['dflash'])}.")
+@click.option("--block-size", type=click.IntRange(2), default=None,
+              help="Tokens per block: the anchor and the positions drafted from it in one pass "
+                   f"{_default('block_size', ['dflash'])}.")
 @click.option("--target-layers", callback=_int_list, default=None,
               help="Tapped target layers (output of layer i), e.g. 1,8,14,20,27 (default: spread "
                    "from 1 to N-3, one per drafter layer, as z-lab).")
-@click.option("--blocks", "blocks_per_sequence", type=click.IntRange(1), default=32, show_default=True,
-              help="Blocks (random anchors in the response) per sequence.")
-@click.option("--decay", type=click.FloatRange(min=0, min_open=True), default=7.0, show_default=True,
-              help="Loss weight of block position i: exp(-(i-1)/decay).")
+@click.option("--blocks", "blocks_per_sequence", type=click.IntRange(1), default=None,
+              help=f"Blocks (random anchors in the response) per sequence {_default('blocks_per_sequence', ['dflash'])}.")
+@click.option("--decay", type=click.FloatRange(min=0, min_open=True), default=None,
+              help=f"Loss weight of block position i: exp(-(i-1)/decay) {_default('decay', ['dflash'])}.")
 @click.option("--mask-token-id", type=click.IntRange(0), default=None,
               help="Token of the masked block positions (default: the tokenizer's unk token).")
 @reports_errors
-def dflash(model_path, data_dir, out_dir, steps, batch_size, lr, warmup, weight_decay, max_length, save_every,
-           resume, init_dir, max_minutes, seed, dtype, save_dtype, feature_cache, layers, block_size, target_layers,
-           blocks_per_sequence, decay, mask_token_id):
+def dflash(**given):
     """Train a DFlash drafter (z-lab layout) against a frozen target."""
-    from ..train.dflash import DFlashOptions, train_dflash
+    from ..train.dflash import train_dflash
 
-    options = DFlashOptions(steps=steps, batch_size=batch_size or 2, lr=lr or 6e-4, warmup=warmup,
-                            weight_decay=weight_decay, layers=layers, block_size=block_size,
-                            target_layers=target_layers, blocks_per_sequence=blocks_per_sequence, decay=decay,
-                            mask_token_id=mask_token_id, max_length=max_length, save_every=save_every,
-                            seed=seed, save_dtype=save_dtype, init=init_dir, max_minutes=max_minutes)
-    _run_training("dflash", train_dflash, options, model_path, data_dir, out_dir, dtype, resume, feature_cache)
+    _run_training("dflash", train_dflash, **given)
 
 
 @train.command("mtp", short_help="Train an MTP module (DeepSeek-V3 layout) against the frozen target.")
 @training_options
-@click.option("--ttt-steps", type=click.IntRange(1), default=3, show_default=True,
-              help="Training-time test: depths the module runs on its own outputs.")
+@click.option("--ttt-steps", type=click.IntRange(1), default=None,
+              help=f"Training-time test: depths the module runs on its own outputs {_default('ttt_steps', ['mtp'])}.")
 @reports_errors
-def mtp(model_path, data_dir, out_dir, steps, batch_size, lr, warmup, weight_decay, max_length, save_every,
-        resume, init_dir, max_minutes, seed, dtype, save_dtype, feature_cache, ttt_steps):
+def mtp(**given):
     """Train an MTP module (DeepSeek-V3 layout: one decoder layer of the target's class, sharing
     its embedding and output layer) against a frozen Llama-family target."""
-    from ..train.mtp import MTPOptions, train_mtp
+    from ..train.mtp import train_mtp
 
-    options = MTPOptions(steps=steps, batch_size=batch_size or 4, lr=lr or 3e-4, warmup=warmup,
-                         weight_decay=weight_decay, ttt_steps=ttt_steps, max_length=max_length,
-                         save_every=save_every, seed=seed, save_dtype=save_dtype, init=init_dir,
-                         max_minutes=max_minutes)
-    _run_training("mtp", train_mtp, options, model_path, data_dir, out_dir, dtype, resume, feature_cache)
+    _run_training("mtp", train_mtp, **given)
 
 
 @train.command("medusa", short_help="Train compact Medusa heads against the frozen target.")
 @training_options
-@click.option("--heads", type=click.IntRange(1), default=4, show_default=True,
-              help="Heads: head i drafts the token i + 2 positions after the last verified one.")
-@click.option("--layers", type=click.IntRange(0), default=1, show_default=True,
-              help="Residual blocks per head.")
-@click.option("--rows-per-head", type=click.IntRange(1), default=256, show_default=True,
-              help="Labelled positions per head and step (the target's output layer is the cost).")
+@click.option("--heads", type=click.IntRange(1), default=None,
+              help=f"Heads: head i drafts the token i + 2 positions after the last verified one {_default('heads', ['medusa'])}.")
+@click.option("--layers", type=click.IntRange(0), default=None,
+              help=f"Residual blocks per head {_default('layers', ['medusa'])}.")
+@click.option("--rows-per-head", type=click.IntRange(1), default=None,
+              help=f"Labelled positions per head and step (the target's output layer is the cost) {_default('rows_per_head', ['medusa'])}.")
 @reports_errors
-def medusa(model_path, data_dir, out_dir, steps, batch_size, lr, warmup, weight_decay, max_length, save_every,
-           resume, init_dir, max_minutes, seed, dtype, save_dtype, feature_cache, heads, layers, rows_per_head):
+def medusa(**given):
     """Train compact Medusa heads (FasterDecoding's layout, sharing the target's output layer)
     against a frozen target."""
-    from ..train.medusa import MedusaOptions, train_medusa
+    from ..train.medusa import train_medusa
 
-    options = MedusaOptions(steps=steps, batch_size=batch_size or 4, lr=lr or 1e-3, warmup=warmup,
-                            weight_decay=weight_decay, heads=heads, layers=layers, rows_per_head=rows_per_head,
-                            max_length=max_length, save_every=save_every, seed=seed, save_dtype=save_dtype,
-                            init=init_dir, max_minutes=max_minutes)
-    _run_training("medusa", train_medusa, options, model_path, data_dir, out_dir, dtype, resume, feature_cache)
+    _run_training("medusa", train_medusa, **given)

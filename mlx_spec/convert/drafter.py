@@ -14,10 +14,9 @@ from typing import Callable, Optional
 import mlx.core as mx
 
 from ..errors import MlxSpecError
-from ..models.checkpoint import KINDS, checkpoint_kind, read_config, read_weights
+from ..models.checkpoint import FLOAT_DTYPES, KINDS, checkpoint_kind, read_config, read_weights
 from .output import check_output, write_dir, write_json
 
-FLOAT_DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 
 
 def _convert_weights(weights: dict, dtype, quantize: bool, q_bits: int, q_group_size: int) -> dict:

@@ -1,43 +1,92 @@
 """The registry of draft sources: a new source is one file here plus one line below.
 
-Each entry carries everything about its source: the factory (the target and the CLI's options,
-a dict -> a Drafter, or None for plain decoding) and the most drafts per step when
---num-draft-tokens is not given (the policy verifies fewer when they do not pay)."""
+Each entry carries everything about its source: the factory (the target and the source's typed
+options -> a Drafter, or None for plain decoding), the options it reads with their defaults
+(the CLI's help reads them), and the most drafts per step when --num-draft-tokens is not given
+(the policy verifies fewer when they do not pay)."""
 
-from dataclasses import dataclass
-from typing import Callable, Tuple
+from dataclasses import dataclass, fields
+from typing import Callable, Optional, Type, Union
 
 from ..errors import MlxSpecError
 from ..models.checkpoint import check_kind
+
+
+@dataclass(frozen=True)
+class SourceOptions:
+    """What a source reads besides the target; subclasses add their fields and defaults."""
+    dtype: str = "auto"   # the target's --dtype, which a draft model follows
+
+    @classmethod
+    def names(cls) -> set:
+        return {f.name for f in fields(cls)} - {"dtype"}
+
+
+@dataclass(frozen=True)
+class LookupOptions(SourceOptions):
+    ngram_max: int = 3    # longest n-gram matched
+    ngram_min: int = 1    # shortest
+
+
+@dataclass(frozen=True)
+class CheckpointOptions(SourceOptions):
+    draft_model: Optional[str] = None   # a directory (api.load resolves repo ids)
+
+
+@dataclass(frozen=True)
+class EagleOptions(CheckpointOptions):
+    tree_budget: int = 0   # nodes of an EAGLE-2 dynamic tree; 0: a chain
+    tree_topk: int = 8     # children per expanded node
+
+
+@dataclass(frozen=True)
+class DDTreeOptions(CheckpointOptions):
+    tree_budget: int = 16  # the most nodes
+    tree_topk: int = 4     # candidates per position
+
+    def __post_init__(self):
+        if self.tree_budget < 1:
+            raise MlxSpecError(f"--draft ddtree needs --tree-budget >= 1, got {self.tree_budget}")
+
+
+@dataclass(frozen=True)
+class MedusaOptions(CheckpointOptions):
+    tree_budget: int = 0   # nodes of a tree from the heads' top tokens; 0: a chain
+    tree_topk: int = 4     # candidates per head
+
+
+@dataclass(frozen=True)
+class LayerSkipOptions(SourceOptions):
+    exit_layer: Optional[int] = None    # the target's first E layers draft (required)
 
 
 def _none(target, options):
     return None
 
 
-def _lookup(target, options):
+def _lookup(target, options: LookupOptions):
     from .lookup import LookupDrafter
 
-    return LookupDrafter(ngram_max=options.get("ngram_max", 3), ngram_min=options.get("ngram_min", 1))
+    return LookupDrafter(ngram_max=options.ngram_max, ngram_min=options.ngram_min)
 
 
-def _draft_model(target, options):
+def _draft_model(target, options: CheckpointOptions):
     from ..models.target import load_target
     from .draft_model import DraftModelDrafter, check_same_vocabulary
 
-    if not options.get("draft_model"):
+    if not options.draft_model:
         raise MlxSpecError("--draft model needs --draft-model PATH (a small mlx-lm model)")
-    check_kind(options["draft_model"], "model")
-    draft = load_target(options["draft_model"], options.get("dtype", "auto"))
+    check_kind(options.draft_model, "model")
+    draft = load_target(options.draft_model, options.dtype)
     check_same_vocabulary(target, draft)
     return DraftModelDrafter(draft, target.vocab_size)
 
 
-def _drafter_path(method: str, target, options: dict, what: str, shipped: str = None):
+def _drafter_path(method: str, target, options: CheckpointOptions, what: str, shipped: str = None):
     """--draft-model, else the drafter shipped for the default model (the `shipped` one)."""
     from ..models.default import SHIPPED_DRAFTERS, shipped_drafter
 
-    path = options.get("draft_model") or shipped_drafter(shipped or method, target.path)
+    path = options.draft_model or shipped_drafter(shipped or method, target.path)
     if not path:
         raise MlxSpecError(f"--draft {method} needs --draft-model PATH ({what}); one ships for the default "
                            f"model SmolLM2-135M-Instruct only: {SHIPPED_DRAFTERS / (shipped or method)}")
@@ -45,7 +94,7 @@ def _drafter_path(method: str, target, options: dict, what: str, shipped: str = 
     return path
 
 
-def _dflash(target, options):
+def _dflash(target, options: CheckpointOptions):
     from ..models.dflash import load_dflash
     from .dflash import DFlashDrafter
 
@@ -53,50 +102,46 @@ def _dflash(target, options):
     return DFlashDrafter(target, model)
 
 
-def _ddtree(target, options):
+def _ddtree(target, options: DDTreeOptions):
     from ..models.dflash import load_dflash
     from .ddtree import DDTreeDrafter
 
     model = load_dflash(_drafter_path("ddtree", target, options, "a DFlash drafter directory", "dflash"), target)
-    return DDTreeDrafter(target, model, budget=options.get("tree_budget") or 16,
-                         topk=options.get("tree_topk") or 4)
+    return DDTreeDrafter(target, model, budget=options.tree_budget, topk=options.tree_topk)
 
 
-def _eagle(target, options):
+def _eagle(target, options: EagleOptions):
     from ..models.eagle3 import load_eagle3
     from .eagle import EagleDrafter
 
     model = load_eagle3(_drafter_path("eagle", target, options, "an EAGLE-3 checkpoint directory"), target)
-    return EagleDrafter(model, target.vocab_size, tree_budget=options.get("tree_budget", 0), tree_topk=options.get("tree_topk") or 8)
+    return EagleDrafter(model, target.vocab_size, tree_budget=options.tree_budget, tree_topk=options.tree_topk)
 
 
-def _layerskip(target, options):
+def _layerskip(target, options: LayerSkipOptions):
     from .layerskip import LayerSkipDrafter
 
-    if options.get("exit_layer") is None:
+    if options.exit_layer is None:
         raise MlxSpecError(f"--draft layerskip needs --exit-layer E (1..{target.num_layers - 1}): the layers "
                            "that draft")
-    return LayerSkipDrafter(target, options["exit_layer"])
+    return LayerSkipDrafter(target, options.exit_layer)
 
 
-def _medusa(target, options):
+def _medusa(target, options: MedusaOptions):
     from ..models.medusa import load_medusa
     from .medusa import MedusaDrafter
 
     model = load_medusa(_drafter_path("medusa", target, options, "a Medusa heads directory"), target)
-    return MedusaDrafter(target, model, tree_budget=options.get("tree_budget") or 0,
-                         tree_topk=options.get("tree_topk") or 4)
+    return MedusaDrafter(target, model, tree_budget=options.tree_budget, tree_topk=options.tree_topk)
 
 
-def _mtp(target, options):
+def _mtp(target, options: CheckpointOptions):
     from ..models.mtp import find_mtp, load_mtp
     from .eagle import EagleDrafter
 
-    if options.get("tree_budget"):
-        raise MlxSpecError("--draft mtp drafts a chain: drop --tree-budget")
-    if options.get("draft_model"):
-        check_kind(options["draft_model"], "mtp")
-    return EagleDrafter(load_mtp(find_mtp(target, options.get("draft_model")), target), target.vocab_size)
+    if options.draft_model:
+        check_kind(options.draft_model, "mtp")
+    return EagleDrafter(load_mtp(find_mtp(target, options.draft_model), target), target.vocab_size)
 
 
 @dataclass(frozen=True)
@@ -104,29 +149,25 @@ class Source:
     make: Callable
     default_draft_tokens: int
     summary: str
-    uses_draft_model: bool = True   # --draft-model means something to it
-    options: Tuple[str, ...] = ()   # the other options of its own that it reads (make's dict keys)
+    options: Type[SourceOptions] = SourceOptions
+    stops_early: bool = False   # drafts one position at a time, so --stop-early can stop it
 
 
 # Lengths: lookup's and the learned drafters' bound what the policy may verify; a draft model
 # drafts mlx-lm's 3.
-TREE = ("tree_budget", "tree_topk")
 DRAFTERS = {
-    "none": Source(_none, 0, "plain decoding through the same loop", uses_draft_model=False),
-    "lookup": Source(_lookup, 10, "n-grams of the prompt and output", uses_draft_model=False,
-                     options=("ngram_max", "ngram_min")),
-    "model": Source(_draft_model, 3, "a small model with the same tokenizer (--draft-model)", options=("stop_early",)),
-    "dflash": Source(_dflash, 8, "DFlash block drafter"),
-    "ddtree": Source(_ddtree, 8, "a tree from one DFlash block's distributions", options=TREE),
-    "eagle": Source(_eagle, 4, "EAGLE-3 draft layer", options=TREE + ("stop_early",)),
-    "layerskip": Source(_layerskip, 4, "the target's first --exit-layer layers draft", uses_draft_model=False,
-                        options=("exit_layer",)),
-    "medusa": Source(_medusa, 4, "Medusa heads on the target's last hidden state", options=TREE),
+    "none": Source(_none, 0, "plain decoding through the same loop"),
+    "lookup": Source(_lookup, 10, "n-grams of the prompt and output", LookupOptions),
+    "model": Source(_draft_model, 3, "a small model with the same tokenizer (--draft-model)", CheckpointOptions,
+                    stops_early=True),
+    "dflash": Source(_dflash, 8, "DFlash block drafter", CheckpointOptions),
+    "ddtree": Source(_ddtree, 8, "a tree from one DFlash block's distributions", DDTreeOptions),
+    "eagle": Source(_eagle, 4, "EAGLE-3 draft layer", EagleOptions, stops_early=True),
+    "layerskip": Source(_layerskip, 4, "the target's first --exit-layer layers draft", LayerSkipOptions),
+    "medusa": Source(_medusa, 4, "Medusa heads on the target's last hidden state", MedusaOptions),
     "mtp": Source(_mtp, 3, "the target's multi-token-prediction module (DeepSeek, GLM, MiMo, Qwen3-Next)",
-                  options=("stop_early",)),
+                  CheckpointOptions, stops_early=True),
 }
-# Options that only some sources read (the registry says which): given to another, refused.
-SOURCE_OPTIONS = ("ngram_max", "ngram_min", "tree_budget", "tree_topk", "exit_layer", "stop_early")
 
 
 def check_method(method: str) -> str:
@@ -141,12 +182,29 @@ def draft_tokens(method: str, num_draft_tokens=None) -> int:
 
 
 def sources_reading(option: str) -> str:
-    return "|".join(name for name, s in DRAFTERS.items() if option in s.options)
+    """The sources that read `option` ("stop_early": those that stop early), as --draft a|b."""
+    return "|".join(name for name, s in DRAFTERS.items()
+                    if (s.stops_early if option == "stop_early" else option in s.options.names()))
 
 
-def make_drafter(method: str, target, options: dict):
+def source_options(method: str, **given) -> SourceOptions:
+    """The typed options of --draft `method` from the ones given (None: not given, the default
+    stands). An option of another source is refused in one line; names no source reads are
+    left aside, as mlx-lm's from_dict does."""
     source = DRAFTERS[check_method(method)]
-    if options.get("draft_model") and not source.uses_draft_model:
-        users = "|".join(name for name, s in DRAFTERS.items() if s.uses_draft_model)
-        raise MlxSpecError(f"--draft-model is for --draft {users}, not --draft {method}")
-    return source.make(target, options)
+    known = set().union(*(s.options.names() for s in DRAFTERS.values()))
+    for name, value in given.items():
+        if value is not None and name in known and name not in source.options.names():
+            chain = ", which drafts a chain" if name.startswith("tree_") else ""
+            raise MlxSpecError(f"--{name.replace('_', '-')} is for --draft {sources_reading(name)}, "
+                               f"not --draft {method}{chain}")
+    return source.options(**{k: v for k, v in given.items()
+                             if v is not None and k in source.options.names() | {"dtype"}})
+
+
+def make_drafter(method: str, target, options: Union[SourceOptions, dict]):
+    """The drafter of --draft `method` for `target` (None for plain decoding); options typed,
+    or a dict of them (source_options)."""
+    if isinstance(options, dict):
+        options = source_options(method, **options)
+    return DRAFTERS[check_method(method)].make(target, options)

@@ -6,6 +6,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Union
 import mlx.core as mx
 
 from ..sampling import Sampler
+from ..tree import breadth_first
 
 
 @dataclass
@@ -21,9 +22,23 @@ class Draft:
     # [k] the drafter's own probability of each draft given its parent (its confidence), from
     # which the engine's policy decides what is worth verifying; None: no estimate.
     confidence: Optional[Union[List[float], mx.array]] = None
+    # Draft positions the drafter computed (what drafting's cost is measured in): a tree sets its
+    # number of levels; None: one per draft (a chain).
+    levels: Optional[int] = None
 
     def __len__(self):
         return len(self.tokens)
+
+    @property
+    def positions(self) -> int:
+        return len(self) if self.levels is None else self.levels
+
+    @property
+    def confidences(self) -> List[Optional[float]]:
+        """confidence as floats (None for each draft where there is no estimate)."""
+        if self.confidence is None:
+            return [None] * len(self)
+        return self.confidence.tolist() if isinstance(self.confidence, mx.array) else list(self.confidence)
 
     @classmethod
     def chain(cls, draws) -> "Draft":
@@ -32,6 +47,13 @@ class Draft:
         return cls(tokens=mx.concatenate(tokens), q=mx.concatenate(qs) if qs[0] is not None else None,
                    confidence=mx.concatenate(confidence))
 
+    def as_chain(self) -> "Draft":
+        """A tree whose nodes form one chain (what the policy left of it) as that chain, which
+        verifies cheaper; any other draft as it is."""
+        if self.parents is not None and self.parents == list(range(len(self))):
+            return Draft(tokens=self.tokens, q=self.q, confidence=self.confidence)
+        return self
+
     @property
     def parent_nodes(self) -> List[int]:
         """parents, also for a chain (draft i extends node i)."""
@@ -39,37 +61,42 @@ class Draft:
 
     def subset(self, kept: Sequence[int]) -> "Draft":
         """The drafts at indices `kept` (ancestors included, in order), as a Draft of their own."""
+        if list(kept) == list(range(len(self))):
+            return self
         tokens = self.tokens.tolist() if isinstance(self.tokens, mx.array) else self.tokens
-        confidence = self.confidence.tolist() if isinstance(self.confidence, mx.array) else self.confidence
         parents = None
         if self.parents is not None:
-            new = {old: i + 1 for i, old in enumerate(kept)}
-            parents = [new.get(self.parents[i] - 1, 0) for i in kept]
+            _, parents = breadth_first(kept, lambda i: self.parents[i] - 1 if self.parents[i] else None)
+        confidence = self.confidences
         return Draft(tokens=[tokens[i] for i in kept], parents=parents,
                      q=self.q[mx.array(kept)] if self.q is not None and kept else None,
-                     confidence=[confidence[i] for i in kept] if confidence is not None else None)
+                     confidence=[confidence[i] for i in kept] if self.confidence is not None else None)
 
 
 class Drafter:
-    """A drafter owns its state. The engine calls, in order:
-    prefill(context, taps, start) once per generation, then per step propose(k) and
-    commit(n_accepted, next_token, taps)."""
+    """A drafter owns its state. The engine calls bind(...) once, then prefill(context, taps,
+    start) once per generation, and per step propose(k) and commit(path, next_token, taps)."""
 
     # Target layers whose hidden states the drafter needs (DESIGN.md tap convention).
     taps: Sequence[int] = ()
     # True when propose may return a tree (verified through tree.py, which needs a plain KV cache).
     tree: bool = False
-    # The generation's sampling settings and noise; the engine sets it (greedy until then).
-    sampler: Sampler = Sampler()
-    # Set by the engine when drafts should stop as soon as they no longer pay: a drafter that
-    # drafts one position at a time may call it with its drafts' confidences so far (floats,
-    # which costs a sync per draft) and stop when it returns False.
-    keep_drafting: Optional[Callable[[List[float]], bool]] = None
-    # Drafters that run the target's own layers (LayerSkip): the engine sets target_cache to its
-    # KV cache, and verifies a chain with verify_forward (the target's forward's signature)
-    # instead of the target's forward, so that work done while drafting is not done twice.
-    target_cache = None
+    # Drafters that run the target's own layers (LayerSkip) verify a chain with verify_forward
+    # (the target's forward's signature) instead of the target's forward, so that work done
+    # while drafting is not done twice.
     verify_forward: Optional[Callable] = None
+    # What bind hands over; until then, greedy drafting that never stops early.
+    sampler: Sampler = Sampler()
+    keep_drafting: Optional[Callable[[List[float]], bool]] = None
+
+    def bind(self, sampler: Sampler, target_cache: Callable[[], list],
+             keep_drafting: Optional[Callable[[List[float]], bool]] = None) -> None:
+        """What the engine shares, handed over once: the generation's sampling settings and
+        noise (the drafter draws with them); the target's cache as it is now (a callable: a
+        new conversation brings a new cache); and, where drafts should stop as soon as they no
+        longer pay, keep_drafting, which a drafter that drafts one position at a time may call
+        with its drafts' confidences so far (floats, a sync per draft) to stop when False."""
+        self.sampler, self.keep_drafting = sampler, keep_drafting
 
     def chain_draws(self, k: int, first_draw, next_draw) -> "Draft":
         """A chain of up to k draws: first_draw(), then next_draw(previous draw) each time,
@@ -92,10 +119,10 @@ class Drafter:
         """Up to k draft tokens (a tree: up to k deep) that follow the last committed token."""
         raise NotImplementedError
 
-    def commit(self, n_accepted: int, next_token: int, taps: Dict[int, mx.array], path=None) -> None:
-        """n_accepted drafts and then next_token were committed: the first n_accepted of a
-        chain, or for a tree the drafts at indices `path` (passed only for tree drafts). taps
-        hold the target's hidden states at [last committed token, accepted drafts]."""
+    def commit(self, path: List[int], next_token: int, taps: Dict[int, mx.array]) -> None:
+        """The drafts at indices `path` of the last proposal (a chain's first len(path), a
+        tree's accepted path, root to leaf) and then next_token were committed. taps hold the
+        target's hidden states at [last committed token, accepted drafts]."""
 
 
 class NoDrafter(Drafter):

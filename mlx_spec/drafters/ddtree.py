@@ -13,6 +13,7 @@ from typing import List, Sequence, Tuple
 import mlx.core as mx
 import numpy as np
 
+from ..tree import breadth_first
 from .base import Draft
 from .dflash import DFlashDrafter
 
@@ -33,10 +34,9 @@ def best_tree(log_probs: Sequence[Sequence[Tuple[int, float]]], budget: int):
             heapq.heappush(heap, (neg + log_probs[depth][j][1] - log_probs[depth][j + 1][1], depth, j + 1, parent))
         if depth + 1 < len(log_probs) and log_probs[depth + 1]:   # the first child
             heapq.heappush(heap, (neg - log_probs[depth + 1][0][1], depth + 1, 0, me))
-    order = sorted(range(len(chosen)), key=lambda i: (chosen[i][1], -chosen[i][0], i))
-    index = {old: new + 1 for new, old in enumerate(order)}
+    order, parents = breadth_first(range(len(chosen)), lambda i: chosen[i][3] if chosen[i][3] >= 0 else None,
+                                   key=lambda i: (chosen[i][1], -chosen[i][0], i))
     tokens = [log_probs[chosen[i][1]][chosen[i][2]][0] for i in order]
-    parents = [index.get(chosen[i][3], 0) for i in order]
     confidence = [float(np.exp(log_probs[chosen[i][1]][chosen[i][2]][1])) for i in order]
     return tokens, parents, confidence
 
@@ -53,7 +53,7 @@ def tree_from_logits(logits: mx.array, positions: Sequence[int], sampler, vocab_
         sorted(((t, v) for t, v in zip(row_ids, row_values) if v > -np.inf), key=lambda c: -c[1])
         for row_ids, row_values in zip(ids.tolist(), values.tolist())]
     tokens, parents, confidence = best_tree(candidates, budget)
-    return Draft(tokens=tokens, parents=parents, confidence=confidence)
+    return Draft(tokens=tokens, parents=parents, confidence=confidence, levels=len(candidates))
 
 
 class DDTreeDrafter(DFlashDrafter):

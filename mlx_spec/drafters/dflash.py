@@ -80,7 +80,7 @@ class DFlashDrafter(Drafter):
                                                   self.target.vocab_size)
         return Draft(tokens=tokens, q=q, confidence=confidence)
 
-    def commit(self, n_accepted, next_token, taps, path=None):
+    def commit(self, path, next_token, taps):
         self.pending.append(self._features(taps))
         self.last_token = next_token
-        self.position += n_accepted + 1
+        self.position += len(path) + 1

@@ -78,7 +78,8 @@ class DraftModelDrafter(Drafter):
         self.pending = draft.tokens
         return draft
 
-    def commit(self, n_accepted, next_token, taps):
+    def commit(self, path, next_token, taps):
+        n_accepted = len(path)
         drafts = self.pending.tolist() if self.pending is not None else []
         # The cache saw the context and drafts 1..k-1; what stays valid is the accepted part.
         fed = drafts[:-1]

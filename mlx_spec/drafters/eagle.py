@@ -10,18 +10,44 @@ drafts are drawn from the draft head's distribution at the target's sampling set
 the generation's noise (sampling.Sampler). The k draft steps stay one lazy graph, evaluated together with the
 verification."""
 
-from typing import Dict, List
+from typing import Dict, List, Optional, Protocol, Sequence
 
 import mlx.core as mx
 import numpy as np
 
 from ..cache import common_prefix_length, rollback_to
 from ..errors import MlxSpecError
+from ..tree import breadth_first
 from .base import Draft, Drafter
 
 
+class FeatureDraftModel(Protocol):
+    """What EagleDrafter drafts with: an EAGLE-3 layer (models/eagle3.py) or an MTP module
+    (models/mtp.py). Position t of its cache pairs token t+1 with the target's feature at t;
+    its output at t, fed back as the next position's hidden state, predicts token t+2."""
+    taps: Sequence[int]              # target layers whose features it reads (DESIGN.md convention)
+    draft_vocab_size: int            # columns of its head
+    draft_ids: Optional[mx.array]    # the target id of each column (None: the target's vocabulary)
+    supports_tree: bool              # whether __call__ takes positions and a mask (EAGLE-2 trees)
+
+    def make_cache(self) -> list: ...
+
+    def embed(self, tokens: mx.array) -> mx.array: ...
+
+    def fuse(self, features: mx.array) -> mx.array:
+        """The concatenated taps [1, n, len(taps) * target H] -> its hidden input."""
+
+    def __call__(self, embeds: mx.array, hidden: mx.array, cache: list, **tree) -> mx.array:
+        """[1, n, H] embeddings and hidden states -> its output [1, n, H]; a tree passes
+        positions and mask (where supports_tree)."""
+
+    def logits(self, hidden: mx.array) -> mx.array: ...
+
+
 class EagleDrafter(Drafter):
-    def __init__(self, model, vocab_size: int, tree_budget: int = 0, tree_topk: int = 8):
+    def __init__(self, model: FeatureDraftModel, vocab_size: int, tree_budget: int = 0, tree_topk: int = 8):
+        if tree_budget and not model.supports_tree:
+            raise MlxSpecError("this drafter drafts chains only: drop --tree-budget")
         self.model = model
         self.tree_budget, self.tree_topk = tree_budget, tree_topk  # tree mode when budget > 0
         self.tree = tree_budget > 0
@@ -93,10 +119,10 @@ class EagleDrafter(Drafter):
         self.pending = draft.tokens
         return draft
 
-    def commit(self, n_accepted, next_token, taps, path=None):
+    def commit(self, path, next_token, taps):
         drafts = self.pending if isinstance(self.pending, list) else (
             self.pending.tolist() if self.pending is not None else [])
-        accepted = [drafts[i] for i in path] if path is not None else drafts[:n_accepted]
+        accepted = [drafts[i] for i in path]
         rollback_to(self.cache, len(self.paired))  # drop the speculative entries
         # taps cover [last committed token, accepted drafts]: each pairs with the token after it.
         self.waiting.append((accepted + [next_token], self._fuse(taps)))
@@ -106,7 +132,7 @@ class EagleDrafter(Drafter):
         nodes (by cumulative log-probability) into their top-k children; keep the best
         `tree_budget` nodes. Drafts are the top-k of Sampler.tree_log_probs (deterministic: q is
         one-hot), so the tree verifier's chain rule keeps sampling exact. One small sync per level."""
-        topk, offset = min(self.tree_topk, self.model.args.draft_vocab_size), len(self.paired)
+        topk, offset = min(self.tree_topk, self.model.draft_vocab_size), len(self.paired)
         # pool entries: [draft-vocab id, parent pool index (-1: root), depth, score, cache slot]
         pool, slots = [], []
         hidden = self.last_hidden[0]                      # the hidden each frontier row continues
@@ -148,12 +174,11 @@ class EagleDrafter(Drafter):
         # The best nodes. A child never scores above its parent (log-probabilities are <= 0) and
         # ties go to the shallower node, so every chosen node's ancestors are chosen too.
         chosen = sorted(range(len(pool)), key=lambda i: (-pool[i][3], pool[i][2]))[:self.tree_budget]
-        order = sorted(chosen, key=lambda i: (pool[i][2], -pool[i][3]))
-        index = {node: i + 1 for i, node in enumerate(order)}
+        order, parents = breadth_first(chosen, lambda i: pool[i][1] if pool[i][1] >= 0 else None,
+                                       key=lambda i: (pool[i][2], -pool[i][3]))
         tokens = self.target_ids[mx.array([pool[node][0] for node in order])].tolist()
         self.pending = tokens
         # Each node's probability given its parent: exp(score - the parent's score).
         confidence = [float(np.exp(pool[node][3] - (pool[pool[node][1]][3] if pool[node][1] >= 0 else 0.0)))
                       for node in order]
-        return Draft(tokens=tokens, parents=[index.get(pool[node][1], 0) for node in order],
-                     confidence=confidence)
+        return Draft(tokens=tokens, parents=parents, confidence=confidence, levels=depth)

@@ -28,26 +28,22 @@ class LayerSkipDrafter(Drafter):
         if not 1 <= exit_layer < n:
             raise MlxSpecError(f"--exit-layer must lie in 1..{n - 1} for this {n}-layer model, got {exit_layer}")
         self.target, self.exit_layer = target, exit_layer
-        self._cache = None
+        self.target_cache = None   # bind: the engine's cache, as it is now
         self.last_token = None
         self.position = 0          # of the first draft
         self.exits: List[mx.array] = []   # exit-layer states of the positions drafted this step
 
-    @property
-    def target_cache(self):
-        return self._cache
-
-    @target_cache.setter
-    def target_cache(self, cache) -> None:
-        """The engine's cache (set before the first token): plain KV caches only."""
-        kinds = {type(c).__name__ for c in cache}
+    def bind(self, sampler, target_cache, keep_drafting=None) -> None:
+        """It drafts in the engine's cache: plain KV caches only."""
+        kinds = {type(c).__name__ for c in target_cache()}
         if kinds != {"KVCache"}:
             raise MlxSpecError(f"--draft layerskip needs plain KV caches; this {self.target.model_type} model "
                                f"has {', '.join(sorted(kinds))}")
-        self._cache = cache
+        super().bind(sampler, target_cache, keep_drafting)
+        self.target_cache = target_cache
 
     def _layers(self, h: mx.array, start: int, stop: int) -> mx.array:
-        cache = self.target_cache
+        cache = self.target_cache()
         mask = create_attention_mask(h, cache[start]) if h.shape[1] > 1 else None
         for i in range(start, stop):
             h = self.target.layers[i](h, mask, cache=cache[i])
@@ -85,6 +81,6 @@ class LayerSkipDrafter(Drafter):
         h = self._layers(mx.concatenate(exits, axis=1), self.exit_layer, self.target.num_layers)
         return self.target.lm_head(self.target.final_norm(h)), {}
 
-    def commit(self, n_accepted, next_token, taps, path=None):
+    def commit(self, path, next_token, taps):
         self.last_token, self.exits = next_token, []
-        self.position += n_accepted + 1
+        self.position += len(path) + 1

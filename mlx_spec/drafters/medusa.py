@@ -7,7 +7,6 @@ token per head (drawn with the generation's noise when sampling, like any chain 
 tree takes each head's top tokens and keeps the paths of highest probability product up to a
 node budget, the DDTree construction (drafters/ddtree.py)."""
 
-import mlx.core as mx
 
 from .base import Draft, Drafter
 from .ddtree import tree_from_logits
@@ -43,6 +42,6 @@ class MedusaDrafter(Drafter):
         tokens, q, confidence = self.sampler.draw(logits, positions, self.target.vocab_size)
         return Draft(tokens=tokens, q=q, confidence=confidence)
 
-    def commit(self, n_accepted, next_token, taps, path=None):
+    def commit(self, path, next_token, taps):
         self._keep(taps)
-        self.position += n_accepted + 1
+        self.position += len(path) + 1

@@ -2,6 +2,7 @@
 way it can be bad. Safetensors only: pickled weights (*.bin, *.pt) are refused, never opened."""
 
 import json
+import re
 from pathlib import Path
 
 import mlx.core as mx
@@ -9,10 +10,16 @@ import mlx.core as mx
 from ..errors import MlxSpecError
 
 PICKLED = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
+# The float dtypes weights are cast to, by name: the one table --dtype, --save-dtype and the
+# converters read.
+FLOAT_DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 
 
 def one_line(e: BaseException) -> str:
-    return str(e).splitlines()[0] if str(e) else type(e).__name__
+    """The first line of an exception's message, without a leading "[tag] " (the gguf
+    package's)."""
+    lines = str(e).strip().splitlines()
+    return re.sub(r"^\[[a-z_]+\]\s*", "", lines[0]) if lines else type(e).__name__
 
 
 def read_config(path, what: str) -> dict:

