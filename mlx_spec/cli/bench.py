@@ -122,4 +122,4 @@ def drafter_used(method: str, target, given):
     if given:
         return draft_model_path(method, given)
     shipped = shipped_drafter("dflash" if method == "ddtree" else method, target.path)
-    return str(shipped) if shipped and DRAFTERS[method].uses_draft_model else None
+    return str(shipped) if shipped and "draft_model" in DRAFTERS[method].options.names() else None
