@@ -143,7 +143,7 @@ class Engine:
         self.plan = DraftPlan(num_draft_tokens)   # this step's, which --stop-early consults
         self.keep_taps = sessions and bool(self.drafter.taps)
         self.drafter_stale = False   # True: the drafter's state is of another conversation
-        self.reset()
+        self._attach(Session(cache=make_cache(target.model)))
         # What the drafter shares with the engine, handed over once: the sampler (it draws with
         # the same noise), the target's cache as it is now, the policy's stopping rule.
         self.drafter.bind(self.sampler, lambda: self.cache, (

@@ -86,11 +86,11 @@ def test_stopping_early_changes_no_token(target, sources, source):
     fewer positions, and print what the target alone prints for the seed."""
     from test_policy import cpu_like_policy
 
-    from mlx_spec.policy import DraftPolicy
+    from mlx_spec.policy import DraftPlan, DraftPolicy
 
     class DraftsTheMost(DraftPolicy):   # so that every step drafts, and may stop early
-        def draft_length(self, max_k):
-            return max_k
+        def plan(self, max_k):
+            return DraftPlan(max_k)
 
     params, prompt = SETTINGS[1], repeated_prompt(14)
     plain = run(Engine(target, sampling=params, seed=7), prompt, MAX_TOKENS)[0]
