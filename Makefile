@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup chat test clean
+.PHONY: setup chat test test-all clean
 
 setup: $(VENV)/.ready
 
@@ -23,7 +23,11 @@ $(VENV)/.ready: pyproject.toml scripts/install-blas.sh
 chat: setup
 	$(BIN)/mlx-spec chat
 
+# The default suite leaves out the end-to-end checks marked slow (CI runs this one, in ~25 min).
 test: setup
+	$(BIN)/python -m pytest -q -n 2 -m "not slow"
+
+test-all: setup
 	$(BIN)/python -m pytest -q -n 2
 
 clean:
