@@ -23,7 +23,7 @@ $(VENV)/.ready: pyproject.toml scripts/install-blas.sh
 chat: setup
 	$(BIN)/mlx-spec chat
 
-# The default suite leaves out the end-to-end checks marked slow (CI runs this one, in ~25 min).
+# The default suite leaves out the end-to-end checks marked slow (CI runs this one, ~24 min here).
 test: setup
 	$(BIN)/python -m pytest -q -n 2 -m "not slow"
 

@@ -142,7 +142,9 @@ def drafts_of(drafter_dir, method, prompt="Count from one to ten.", n=24):
     return tokens, proposed
 
 
-@pytest.mark.parametrize("method", ["eagle", "dflash", "medusa"])
+# dflash and medusa (~45 s each) are `slow`: the conversion path is the same as eagle's.
+@pytest.mark.parametrize("method", ["eagle", pytest.param("dflash", marks=pytest.mark.slow),
+                                    pytest.param("medusa", marks=pytest.mark.slow)])
 def test_drafter_conversion(method, tmp_path):
     """A converted float drafter drafts exactly what the original does; an 8-bit one loads with
     quantized layers and leaves the output the target's (its agreement with the float drafts on

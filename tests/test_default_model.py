@@ -41,9 +41,9 @@ def chat_prompt(target, text):
     return target.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
 
 
-# Three of the ten prompts in the default suite (chat, code, summarize); the others are `slow`
-# (make test-all): the engine's token identity is tested on every source with tiny models too.
-@pytest.mark.parametrize("item", [pytest.param(s, marks=() if i in (0, 2, 6) else pytest.mark.slow)
+# Two of the ten prompts in the default suite (chat, summarize); the others are `slow` (make
+# test-all): the engine's token identity is tested on every source with tiny models too.
+@pytest.mark.parametrize("item", [pytest.param(s, marks=() if i in (0, 6) else pytest.mark.slow)
                                   for i, s in enumerate(SUITE)],
                          ids=[f"{i}-{s['category']}" for i, s in enumerate(SUITE)])
 def test_lookup_matches_plain_and_mlx_lm(target, item):
