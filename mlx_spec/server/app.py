@@ -76,7 +76,9 @@ class Worker(threading.Thread):
             job = self.jobs.get()
             if job is None:
                 break
-            if not job.cancelled.is_set():
+            if job.cancelled.is_set():   # gone while it waited in the queue
+                self.log("client gone: generation stopped before it started")
+            else:
                 self._generate(job)
             job.events.put(("end",))
         while True:   # stopped: whoever still waits is told so
