@@ -173,3 +173,140 @@ def rollback_to(cache: List[Any], length: int, replay: Optional[Replay] = None) 
     if recurrent:
         ok = ok and replay is not None and replay.roll_back(length)
     return ok
+
+
+class RaggedKVCache(_BaseCache):
+    """One attention layer's keys and values for a batch of sequences of different lengths (a
+    batched verification pass: each row its own context and its own accepted drafts). Row b
+    holds its positions 0..lengths[b]-1 in columns 0..lengths[b]-1; a pass over N inputs per
+    row writes each row's at its own end, and the mask lets row b's query i see columns
+    <= lengths[b] + i, so what lies past a row's end (rejected drafts, padding) is never read
+    and is overwritten later. Rolling a row back moves its length alone (RaggedRow.trim).
+
+    mlx-lm's BatchKVCache aligns rows on the right and pads on the left, so rows that kept
+    different numbers of drafts would have to be shifted (a copy of the whole cache per step);
+    here they stay where they are. RoPE reads `offset`, one position per row."""
+
+    step = 256
+
+    def __init__(self):
+        self.keys = self.values = None
+        self.lengths: List[int] = []
+
+    @property
+    def offset(self) -> mx.array:
+        return mx.array(self.lengths)
+
+    @property
+    def state(self):
+        return self.keys, self.values
+
+    def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None, **kwargs):
+        if window_size is not None:
+            raise MlxSpecError("a ragged batch cache has no sliding window")
+        ends = mx.array(self.lengths)[:, None, None, None] + mx.arange(N)[None, None, :, None]
+        return mx.arange(max(self.lengths) + N)[None, None, None] <= ends
+
+    def _reserve(self, columns: int, like_keys: mx.array, like_values: mx.array) -> None:
+        have = 0 if self.keys is None else self.keys.shape[2]
+        if columns <= have:
+            return
+        size = -(-columns // self.step) * self.step
+        B, (_, H, _, Dk) = len(self.lengths), like_keys.shape
+        pad = [(0, 0), (0, 0), (0, size - have), (0, 0)]
+        if self.keys is None:
+            self.keys = mx.zeros((B, H, size, Dk), like_keys.dtype)
+            self.values = mx.zeros((B, H, size, like_values.shape[3]), like_values.dtype)
+        else:
+            self.keys, self.values = mx.pad(self.keys, pad), mx.pad(self.values, pad)
+
+    def update_and_fetch(self, keys, values):
+        N = keys.shape[2]
+        end = max(self.lengths) + N
+        self._reserve(end, keys, values)
+        if len(set(self.lengths)) == 1:
+            start = self.lengths[0]
+            self.keys[..., start:start + N, :] = keys
+            self.values[..., start:start + N, :] = values
+        else:
+            rows = mx.arange(len(self.lengths))[:, None]
+            columns = mx.array(self.lengths)[:, None] + mx.arange(N)[None]
+            self.keys[rows, :, columns] = keys.transpose(0, 2, 1, 3)
+            self.values[rows, :, columns] = values.transpose(0, 2, 1, 3)
+        self.lengths = [n + N for n in self.lengths]
+        return self.keys[..., :end, :], self.values[..., :end, :]
+
+    def add(self, cache: KVCache) -> None:
+        """Append a sequence (a KVCache of one row) as the last row."""
+        n = cache.offset
+        if not self.lengths:
+            self.keys = self.values = None
+        if not n:   # a one-token prompt: nothing cached yet
+            if self.keys is not None:
+                self.keys = mx.concatenate([self.keys, mx.zeros_like(self.keys[:1])])
+                self.values = mx.concatenate([self.values, mx.zeros_like(self.values[:1])])
+            self.lengths.append(0)
+            return
+        keys, values = cache.keys[..., :n, :], cache.values[..., :n, :]
+        self._reserve(n, keys, values)
+        pad = [(0, 0), (0, 0), (0, self.keys.shape[2] - n), (0, 0)]
+        self.keys = mx.concatenate([self.keys, mx.pad(keys, pad)])
+        self.values = mx.concatenate([self.values, mx.pad(values, pad)])
+        self.lengths.append(n)
+
+    def take(self, row: int) -> KVCache:
+        """Remove a row; it comes back as a KVCache of its own."""
+        n = self.lengths[row]
+        cache = KVCache()
+        if n:
+            cache.keys = mx.contiguous(self.keys[row:row + 1, :, :n])
+            cache.values = mx.contiguous(self.values[row:row + 1, :, :n])
+            cache.offset = n
+        keep = [i for i in range(len(self.lengths)) if i != row]
+        self.lengths = [self.lengths[i] for i in keep]
+        if keep and self.keys is not None:
+            index = mx.array(keep)
+            longest = -(-max(self.lengths) // self.step) * self.step   # release what no row needs
+            self.keys, self.values = self.keys[index, :, :longest], self.values[index, :, :longest]
+        elif not keep:
+            self.keys = self.values = None
+        return cache
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
+
+
+class RaggedRow(_BaseCache):
+    """A view of one row of a RaggedKVCache, which rolls back like a KVCache (trim), so that
+    the engine's own bookkeeping serves a row of a batch unchanged."""
+
+    def __init__(self, batch: RaggedKVCache, row):
+        self.batch, self.row = batch, row   # row: anything with an `index` the batch keeps current
+
+    @property
+    def offset(self) -> int:
+        return self.batch.lengths[self.row.index]
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def trim(self, n: int) -> int:
+        n = min(n, self.offset)
+        self.batch.lengths[self.row.index] -= n
+        return n
+
+    @property
+    def state(self):
+        return ()
+
+    @property
+    def nbytes(self) -> int:
+        return 0
+
+
+def batchable(cache: Sequence[Any], model_type: str) -> Optional[str]:
+    """None when every layer's cache is a plain KVCache (what a ragged batch holds); else why
+    the model's requests cannot share a pass."""
+    kinds = sorted({type(c).__name__ for c in cache if type(c) is not KVCache})
+    return f"this {model_type} model uses {', '.join(kinds)}" if kinds else None

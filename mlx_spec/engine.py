@@ -20,8 +20,8 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence
 
 import mlx.core as mx
 
-from .cache import (Replay, check_speculation, check_tree, common_prefix_length, is_recurrent, make_cache,
-                    rollback_to)
+from .cache import (Replay, batchable, check_speculation, check_tree, common_prefix_length, is_recurrent,
+                    make_cache, rollback_to)
 from .drafters.base import Draft, Drafter, NoDrafter
 from .errors import MlxSpecError
 from .policy import DraftPlan, DraftPolicy, StepOutcome
@@ -104,6 +104,16 @@ class Verdict:
     path: List[int]               # indices into drafts of the accepted ones, root to leaf
     next_token: int               # the target's own token after them
     taps: Dict[int, mx.array]     # the target's features at [last token, accepted drafts]
+    seconds: float = 0.0          # what the pass cost this sequence (a batch's pass is shared)
+
+
+@dataclass
+class PendingVerification:
+    """A step's drafts, waiting for the target's pass: Engine.generate runs it at once, a
+    BatchEngine one pass for every sequence's (batch.py). The coroutine that yielded it
+    (Engine.run) is sent the Verdict."""
+    context: List[int]            # every committed token; the last one is not in the cache yet
+    draft: Draft                  # what the policy kept, as verify takes it
 
 
 @dataclass
@@ -132,6 +142,8 @@ class Engine:
         stop_early (adaptive only): drafters that draft one position at a time stop once the
         next draft would not pay, at the price of a sync per draft. sessions: keep what
         `detach`/`attach` need to switch between conversations (the drafter's taps)."""
+        self.settings = dict(num_draft_tokens=num_draft_tokens, sampling=sampling, seed=seed, residual=residual,
+                             adaptive=adaptive, policy=policy, stop_early=stop_early, sessions=sessions)
         self.target = target
         self.drafter = drafter or NoDrafter()
         self.speculative = not isinstance(self.drafter, NoDrafter)
@@ -155,6 +167,20 @@ class Engine:
             check_tree(self.cache, target.model_type)
         # Recurrent layers roll back by replaying the last verification pass (cache.Replay).
         self.recurrent = any(is_recurrent(c) for c in self.cache)
+
+    def spawn(self) -> "Engine":
+        """An engine over the same target and drafter weights, with the same settings and a
+        state of its own (its policy starts from what this one has learned)."""
+        settings = dict(self.settings, policy=copy.deepcopy(self.policy))
+        return Engine(self.target, self.drafter.spawn(), **settings)
+
+    def unbatchable(self) -> Optional[str]:
+        """Why this engine's generations cannot share a target pass with others (None: they can)."""
+        if self.drafter.tree:
+            return "tree drafts are verified one sequence at a time"
+        if self.drafter.verify_forward is not None:
+            return "this drafter runs the target's own layers on one sequence's cache"
+        return batchable(self.cache, self.target.model_type)
 
     @property
     def cache(self) -> List[Any]:
@@ -247,41 +273,47 @@ class Engine:
             self.replay = Replay(start) if self.recurrent else None
             forward = self.drafter.verify_forward or self.target.forward
             logits, taps = forward(inputs[None], self.cache, self.drafter.taps, replay=self.replay)
-            verdict = verify_chain(logits[0], drafts, draft.q, self.sampler, len(context))
-            mx.eval(verdict, drafts)
-            (n_accepted, next_token), drafts = verdict.tolist(), drafts.tolist()
-            path = list(range(n_accepted))
-            self.cached_tokens = context + drafts
-            self._roll_back(start + 1 + n_accepted)
-            rows = slice(0, n_accepted + 1)
-        else:
-            tree = Tree(draft.parents)
-            logits, taps = tree_forward(self.target, inputs, tree, self.cache, self.drafter.taps)
-            mx.eval(logits, drafts)
-            drafts = drafts.tolist()
-            nodes, next_token = verify_tree(logits[0], drafts, tree, self.sampler, draft.q, len(context))
-            compact(self.cache, start, nodes)
-            path = [node - 1 for node in nodes[1:]]
-            self.cached_tokens = context + [drafts[i] for i in path]
-            rows = mx.array(nodes)
+            decision = verify_chain(logits[0], drafts, draft.q, self.sampler, len(context))
+            mx.eval(decision, drafts)
+            return self.settle_chain(context, drafts.tolist(), *decision.tolist(), taps)
+        tree = Tree(draft.parents)
+        logits, taps = tree_forward(self.target, inputs, tree, self.cache, self.drafter.taps)
+        mx.eval(logits, drafts)
+        drafts = drafts.tolist()
+        nodes, next_token = verify_tree(logits[0], drafts, tree, self.sampler, draft.q, len(context))
+        compact(self.cache, start, nodes)
+        path = [node - 1 for node in nodes[1:]]
+        self.cached_tokens = context + [drafts[i] for i in path]
+        return self._kept(context, drafts, path, next_token, taps, mx.array(nodes))
+
+    def settle_chain(self, context: List[int], drafts: List[int], n_accepted: int, next_token: int,
+                     taps: Dict[int, mx.array]) -> Verdict:
+        """After a pass over [context[-1]] + drafts (and whatever padding followed them, in a
+        batch): keep the accepted drafts in the cache, drop the rest. taps: [1, width, H]."""
+        self.cached_tokens = context + drafts
+        path = list(range(n_accepted))
+        self._roll_back(len(context) + n_accepted)
+        return self._kept(context, drafts, path, next_token, taps, slice(0, n_accepted + 1))
+
+    def _kept(self, context, drafts, path, next_token, taps, rows) -> Verdict:
         kept = {layer: h[:, rows] for layer, h in taps.items()}
-        if len(self.cached_tokens) < start + 1 + len(path):
+        if len(self.cached_tokens) < len(context) + len(path):
             # The cache had to start again: fill it with the committed tokens (exact, slow).
             self._fill(context + [drafts[i] for i in path])
         else:
             self._record_taps(kept)
         return Verdict(drafts, path, next_token, kept)
 
-    def _step(self, context: List[int]) -> StepResult:
-        """Draft up to self.plan.length, verify what the policy keeps, commit."""
+    def _step(self, context: List[int]):
+        """Draft up to self.plan.length, have what the policy keeps verified, commit: a
+        coroutine that yields the PendingVerification and returns the StepResult."""
         tic = time.perf_counter()
         proposal = self.drafter.propose(self.plan.length)
         kept = self._select(proposal, tic)
-        tic = time.perf_counter()
-        verdict = self._verify(context, proposal.subset(kept).as_chain())
+        verdict = yield PendingVerification(context, proposal.subset(kept).as_chain())
         path = [kept[i] for i in verdict.path]   # in the proposal's indices
         if self.policy:
-            self.policy.record_verification(1 + len(verdict.drafts), time.perf_counter() - tic)
+            self.policy.record_verification(1 + len(verdict.drafts), verdict.seconds)
             self.policy.observe(StepOutcome(proposal.confidences, proposal.parent_nodes, kept, path))
         self.drafter.commit(path, verdict.next_token, verdict.taps)
         return StepResult(len(proposal), verdict.drafts, verdict.path, verdict.next_token)
@@ -310,6 +342,31 @@ class Engine:
                  sampling: Optional[SamplingParams] = None, seed: Optional[int] = None) -> Iterator[tuple]:
         """sampling: this call's settings (default: the engine's); seed: this call's and the
         next calls' (default: the last one)."""
+        run = self.run(prompt, max_tokens, stop_strings, sampling, seed)
+        try:
+            event = next(run)
+            while True:
+                if isinstance(event, PendingVerification):
+                    tic = time.perf_counter()
+                    try:
+                        verdict = self._verify(event.context, event.draft)
+                    except BaseException as e:
+                        event = run.throw(e)   # it starts over, and raises e
+                        continue
+                    verdict.seconds = time.perf_counter() - tic
+                    event = run.send(verdict)
+                else:
+                    yield event
+                    event = next(run)
+        except StopIteration:
+            return
+        finally:
+            run.close()
+
+    def run(self, prompt: Sequence[int], max_tokens: int = 256, stop_strings: Sequence[str] = (),
+            sampling: Optional[SamplingParams] = None, seed: Optional[int] = None):
+        """generate as a coroutine that leaves the target's passes to its caller: it yields
+        generate's events and, at each step, a PendingVerification, to be sent the Verdict."""
         prompt = list(prompt)
         self._check(prompt, max_tokens)
         self.sampler.params = (sampling or self.sampling).check(self.target.vocab_size)
@@ -331,7 +388,7 @@ class Engine:
                 # Never draft past max_tokens: a step commits at most k + 1 tokens.
                 k = min(self.num_draft_tokens, max_tokens - stats.generated_tokens - 1)
                 self.plan = self.policy.plan(k) if self.policy else DraftPlan(k)
-                step = self._step(context)
+                step = yield from self._step(context)
                 accepted = step.accepted
                 stats.steps += 1
                 stats.plain_steps += not step.drafts

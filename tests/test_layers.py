@@ -10,7 +10,7 @@ LAYERS = [
     {"errors"},
     {"hub", "sampling", "cost", "cache", "verify", "tree", "models"},
     {"drafters"},
-    {"policy", "engine"},
+    {"policy", "engine", "batch"},
     {"convert", "train", "bench", "bench_suite"},
     {"api"},
     {"server"},

@@ -1,5 +1,6 @@
 """The Drafter protocol: every source of drafts implements these four members."""
 
+import copy
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Union
 
@@ -85,6 +86,8 @@ class Drafter:
     # (the target's forward's signature) instead of the target's forward, so that work done
     # while drafting is not done twice.
     verify_forward: Optional[Callable] = None
+    # Attributes that hold weights (models, the target): copies made by spawn share them.
+    shared: Sequence[str] = ()
     # What bind hands over; until then, greedy drafting that never stops early.
     sampler: Sampler = Sampler()
     keep_drafting: Optional[Callable[[List[float]], bool]] = None
@@ -97,6 +100,12 @@ class Drafter:
         longer pay, keep_drafting, which a drafter that drafts one position at a time may call
         with its drafts' confidences so far (floats, a sync per draft) to stop when False."""
         self.sampler, self.keep_drafting = sampler, keep_drafting
+
+    def spawn(self) -> "Drafter":
+        """A drafter of the same source and weights with a state of its own (another sequence
+        of a batch); bind it before use."""
+        memo = {id(getattr(self, name)): getattr(self, name) for name in self.shared}
+        return copy.deepcopy(self, memo)
 
     def chain_draws(self, k: int, first_draw, next_draw) -> "Draft":
         """A chain of up to k draws: first_draw(), then next_draw(previous draw) each time,

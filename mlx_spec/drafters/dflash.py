@@ -19,6 +19,8 @@ from .base import Draft, Drafter
 
 
 class DFlashDrafter(Drafter):
+    shared = ("target", "model")
+
     def __init__(self, target, model):
         self.target = target
         self.model = model

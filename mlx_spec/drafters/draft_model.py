@@ -34,6 +34,8 @@ def check_same_vocabulary(target, draft) -> None:
 
 
 class DraftModelDrafter(Drafter):
+    shared = ("draft",)
+
     def __init__(self, draft, vocab_size: int):
         self.draft = draft
         self.vocab_size = vocab_size        # the target's: q is padded to it
@@ -51,7 +53,8 @@ class DraftModelDrafter(Drafter):
     def _roll_back(self, length: int) -> None:
         """As the engine's: a cache that cannot roll back exactly (a sliding window that has
         rotated past the drafts) starts again empty and is refilled at the next propose."""
-        if length < len(self.cached) and not rollback_to(self.cache, length):
+        # Also where nothing committed is dropped: an interrupted step leaves drafts past it.
+        if not rollback_to(self.cache, length):
             self.cache, length = make_cache(self.draft.model), 0
         self.cached = self.cached[:length]
 

@@ -45,6 +45,8 @@ class FeatureDraftModel(Protocol):
 
 
 class EagleDrafter(Drafter):
+    shared = ("model", "target_ids")
+
     def __init__(self, model: FeatureDraftModel, vocab_size: int, tree_budget: int = 0, tree_topk: int = 8):
         if tree_budget and not model.supports_tree:
             raise MlxSpecError("this drafter drafts chains only: drop --tree-budget")

@@ -23,6 +23,8 @@ from .base import Draft, Drafter
 
 
 class LayerSkipDrafter(Drafter):
+    shared = ("target",)
+
     def __init__(self, target, exit_layer: int):
         n = target.num_layers
         if not 1 <= exit_layer < n:

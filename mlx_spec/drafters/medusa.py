@@ -13,6 +13,8 @@ from .ddtree import tree_from_logits
 
 
 class MedusaDrafter(Drafter):
+    shared = ("target", "model")
+
     def __init__(self, target, model, tree_budget: int = 0, tree_topk: int = 4):
         self.target, self.model = target, model
         self.taps = (target.num_layers - 1,)

@@ -1,0 +1,155 @@
+"""Batched speculative decoding: several generations share each target pass.
+
+Each sequence is a row with an Engine of its own (its drafter's state, sampler, policy, cached
+tokens), all over one target. Engine.run leaves the target's passes to its caller; here one
+pass per step runs over every row's [last token, its drafts], padded to the widest row, on a
+RaggedKVCache (cache.py) in which each row keeps its own length. Each row's verdict comes from
+its own logits by the rule it would meet alone (verify.py), with its own sampler, so a row's
+output is what it would be alone: the same tokens greedy, the same tokens for a seed sampled.
+
+A new row is prefilled on a cache of its own (its whole prompt, between two steps of the
+others) and then joins the batch; a finished or removed row leaves it with its cache as a
+KVCache again (a server keeps it as the conversation's). Each row's policy weighs its drafts
+against its share of the pass: a pass over B rows costs each row a B-th of it, so the wider
+the batch, the more a draft's widening of the pass costs against the plain step it saves."""
+
+import time
+from dataclasses import dataclass, field
+from typing import Generator, List, Optional, Sequence, Tuple
+
+import mlx.core as mx
+
+from .cache import RaggedKVCache, RaggedRow
+from .engine import Engine, PendingVerification, Verdict
+from .errors import MlxSpecError
+from .sampling import SamplingParams
+from .verify import verify_chain
+
+
+@dataclass
+class Row:
+    engine: Engine
+    run: Generator                      # engine.run(...)
+    index: int = -1                     # its row in the batch's cache; -1 until it joins
+    started: bool = False
+    verdict: Optional[Verdict] = None   # the last pass's, sent at the next step
+    pending: Optional[PendingVerification] = field(default=None, repr=False)
+
+
+class BatchEngine:
+    def __init__(self, engines: Sequence[Engine]):
+        """engines: one per row that may run at once, over one target (each with its own draft
+        source and settings: a batch may mix them)."""
+        if not engines:
+            raise MlxSpecError("a batch needs at least one engine")
+        for engine in engines:
+            reason = engine.unbatchable()
+            if reason is not None:
+                raise MlxSpecError(f"requests cannot share a pass: {reason}")
+            if engine.target is not engines[0].target:
+                raise MlxSpecError("a batch's engines must share one target")
+        self.target = engines[0].target
+        self.taps = sorted(set().union(*(e.drafter.taps for e in engines)))
+        self.engines = list(engines)
+        self.idle = list(self.engines)
+        self.rows: List[Row] = []
+        self.cache = [RaggedKVCache() for _ in engines[0].cache]
+
+    @classmethod
+    def spawned(cls, engine: Engine, max_batch: int) -> "BatchEngine":
+        """engine and max_batch - 1 engines spawned from it (the same drafter weights)."""
+        if max_batch < 1:
+            raise MlxSpecError(f"--max-batch must be >= 1, got {max_batch}")
+        reason = engine.unbatchable()   # before spawning copies of what cannot batch
+        if reason is not None:
+            raise MlxSpecError(f"requests cannot share a pass: {reason}")
+        return cls([engine] + [engine.spawn() for _ in range(max_batch - 1)])
+
+    def add(self, prompt: Sequence[int], max_tokens: int = 256, stop_strings: Sequence[str] = (),
+            sampling: Optional[SamplingParams] = None, seed: Optional[int] = None,
+            engine: Optional[Engine] = None) -> Row:
+        """A new generation (Engine.generate's arguments), started at the next step. engine: the
+        idle one to run it (a server picks the one holding the conversation); default any."""
+        if not self.idle:
+            raise MlxSpecError(f"the batch is full ({len(self.engines)} rows)")
+        engine = engine or self.idle[-1]
+        self.idle.remove(engine)
+        row = Row(engine, engine.run(prompt, max_tokens, stop_strings, sampling, seed))
+        self.rows.append(row)
+        return row
+
+    def remove(self, row: Row) -> None:
+        """Stop a generation now (a client gone). Its conversation is dropped: the step it was
+        in never committed."""
+        row.run.close()
+        self._leave(row)
+        row.engine.reset()
+
+    def step(self) -> List[Tuple[Row, tuple]]:
+        """One step of every row: new rows prefill and join, each row drafts, one target pass
+        verifies every row's drafts, each row commits. Returns the rows' events (Engine.generate's,
+        and ("error", exception) for a row that failed and left), each row's in order."""
+        events = []
+        for row in list(self.rows):
+            try:
+                event = row.run.send(row.verdict) if row.started else next(row.run)
+                row.started, row.verdict = True, None
+                while not isinstance(event, PendingVerification):
+                    events.append((row, event))
+                    if event[0] == "prefill":
+                        self._join(row)
+                    event = next(row.run)
+                row.pending = event
+            except StopIteration:
+                self._leave(row)
+            except Exception as e:   # this row's alone (a prompt too long): the others go on
+                events.append((row, ("error", e)))
+                self._leave(row)
+                row.engine.reset()
+        if self.rows:
+            self._verify()
+        return events
+
+    def _join(self, row: Row) -> None:
+        """Move the prefilled row's cache into the batch's."""
+        engine = row.engine
+        row.index = len([r for r in self.rows if r.index >= 0])
+        for batch, own in zip(self.cache, engine.cache):
+            batch.add(own)
+        engine.session.cache = [RaggedRow(batch, row) for batch in self.cache]
+
+    def _leave(self, row: Row) -> None:
+        if row.index >= 0:
+            row.engine.session.cache = [batch.take(row.index) for batch in self.cache]
+            for other in self.rows:
+                if other.index > row.index:
+                    other.index -= 1
+        self.rows.remove(row)
+        self.idle.append(row.engine)
+
+    def _verify(self) -> None:
+        """One target pass over every row's [last token, drafts]; each row's verdict."""
+        tic = time.perf_counter()
+        rows = sorted(self.rows, key=lambda r: r.index)
+        inputs = []
+        for row in rows:
+            context, drafts = row.pending.context, row.pending.draft.tokens
+            drafts = drafts if isinstance(drafts, mx.array) else mx.array(drafts, mx.int32)
+            inputs.append((context, drafts, mx.concatenate([mx.array(context[-1:], mx.int32), drafts])))
+        widths = [x.shape[0] for _, _, x in inputs]
+        width = max(widths)
+        padded = mx.stack([mx.pad(x, [(0, width - x.shape[0])]) for _, _, x in inputs])
+        logits, taps = self.target.forward(padded, self.cache, self.taps)
+        decisions = [verify_chain(logits[b, :widths[b]], drafts, row.pending.draft.q, row.engine.sampler,
+                                  len(context))
+                     for b, (row, (context, drafts, _)) in enumerate(zip(rows, inputs))]
+        mx.eval(decisions, [drafts for _, drafts, _ in inputs])
+        for batch in self.cache:   # padding past each row's drafts is not the row's
+            batch.lengths = [n - (width - w) for n, w in zip(batch.lengths, widths)]
+        seconds = (time.perf_counter() - tic) / len(rows)
+        for b, (row, (context, drafts, _)) in enumerate(zip(rows, inputs)):
+            n_accepted, next_token = decisions[b].tolist()
+            own = {layer: taps[layer][b:b + 1] for layer in row.engine.drafter.taps}
+            row.verdict = row.engine.settle_chain(context, drafts.tolist(), n_accepted, next_token, own)
+            row.verdict.seconds = seconds
+            row.pending = None

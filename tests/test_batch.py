@@ -1,0 +1,211 @@
+"""Batched speculative decoding: every row's output is what it would be alone (greedy: mlx-lm's
+own tokens; sampled: the tokens of --draft none with the row's seed), whatever else shares its
+passes, whenever rows join and leave."""
+
+import mlx.core as mx
+import pytest
+from exactness import STRICT, VOCAB, exact_distribution, chi_square_pvalue, repeated_prompt
+from test_eagle import eagle_target, random_eagle
+from tiny import ScriptedDrafter, plain_greedy, run, tiny_target
+
+from mlx_spec.batch import BatchEngine
+from mlx_spec.drafters.base import Draft
+from mlx_spec.drafters.draft_model import DraftModelDrafter
+from mlx_spec.drafters.eagle import EagleDrafter
+from mlx_spec.drafters.lookup import LookupDrafter
+from mlx_spec.engine import Engine
+from mlx_spec.errors import MlxSpecError
+from mlx_spec.sampling import SamplingParams
+
+PROMPTS = [
+    [1, 5, 7, 9, 11, 13, 2, 5, 7, 9, 11, 13, 2, 5, 7],
+    [3, 4],
+    [8, 8, 6, 1, 2, 3, 4, 8, 8, 6, 1, 2, 3, 4, 8, 8, 6, 1, 2, 3, 4, 9],
+    [30, 2, 17, 4, 30, 2, 17, 5, 30, 2],
+    [7],
+]
+
+
+class PerPromptScript(ScriptedDrafter):
+    """ScriptedDrafter over the reference continuation of whichever prompt it is given, with
+    a corruption period of its own per prompt: rows accept different numbers of drafts."""
+
+    def __init__(self, references, vocab):
+        super().__init__([], 1, vocab)
+        self.references = references
+
+    def prefill(self, context, taps, start):
+        key = tuple(context)
+        self.reference = self.references.get(key, [])   # unknown: drafts nothing
+        self.wrong_every = 2 + len(key) % 5
+        self.position = 0
+
+
+def batch_run(batch, requests):
+    """Run every request (prompt, kwargs) through the batch, max rows at a time, in order;
+    {request index: (tokens, stats)}."""
+    queue = list(enumerate(requests))
+    results, rows = {}, {}
+    while queue or batch.rows:
+        while queue and batch.idle:
+            i, (prompt, kwargs) = queue.pop(0)
+            rows[id(batch.add(prompt, **kwargs))] = i
+            results[i] = ([], None)
+        for row, event in batch.step():
+            tokens, _ = results[rows[id(row)]]
+            if event[0] == "token":
+                tokens.append(event[1])
+            elif event[0] == "done":
+                results[rows[id(row)]] = (tokens, event[1])
+            elif event[0] == "error":
+                raise event[1]
+    return results
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_target("llama", seed=5)
+
+
+@pytest.fixture(scope="module")
+def references(target):
+    return {tuple(p): plain_greedy(target.model, p, 40) for p in PROMPTS}
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_rows_of_every_acceptance_length_match_mlx_lm(target, references, adaptive):
+    """Five requests through three rows: rows join as others leave, accept different numbers
+    of drafts per step, and stop at different max_tokens."""
+    engine = Engine(target, PerPromptScript(references, 32), num_draft_tokens=5, adaptive=adaptive)
+    batch = BatchEngine.spawned(engine, 3)
+    lengths = [40, 7, 33, 1, 25]
+    results = batch_run(batch, [(p, dict(max_tokens=n)) for p, n in zip(PROMPTS, lengths)])
+    for i, (prompt, n) in enumerate(zip(PROMPTS, lengths)):
+        tokens, stats = results[i]
+        assert tokens == references[tuple(prompt)][:n], i
+        assert stats.finish_reason == "length" and stats.generated_tokens == n
+    if not adaptive:
+        assert sum(results[i][1].accepted for i in results) > 20
+    assert not batch.rows and len(batch.idle) == 3
+    assert all(c.keys is None for c in batch.cache)
+
+
+def test_mixed_sources_in_one_batch(target, references):
+    """Lookup, a draft model, plain decoding and a scripted drafter share each pass."""
+    engines = [Engine(target, LookupDrafter(), num_draft_tokens=4, adaptive=False),
+               Engine(target, DraftModelDrafter(tiny_target("llama", seed=6), 32), num_draft_tokens=3,
+                      adaptive=False),
+               Engine(target),
+               Engine(target, PerPromptScript(references, 32), num_draft_tokens=6, adaptive=False)]
+    batch = BatchEngine(engines)
+    rows = [batch.add(p, max_tokens=40, engine=e) for p, e in zip(PROMPTS, engines)]
+    outputs = {id(r): [] for r in rows}
+    while batch.rows:
+        for row, event in batch.step():
+            if event[0] == "token":
+                outputs[id(row)].append(event[1])
+    for prompt, row in zip(PROMPTS, rows):
+        assert outputs[id(row)] == references[tuple(prompt)]
+    assert engines[0].cached_tokens[:len(PROMPTS[0])] == PROMPTS[0]
+
+
+def test_eos_inside_drafts_and_the_cache_after(references):
+    target = tiny_target("llama", seed=5)
+    reference = references[tuple(PROMPTS[0])]
+    eos = next(t for i, t in enumerate(reference) if i >= 5 and t not in reference[:i])
+    target.eos_token_ids = [eos]
+    engine = Engine(target, PerPromptScript(references, 32), num_draft_tokens=6, adaptive=False)
+    batch = BatchEngine.spawned(engine, 2)
+    results = batch_run(batch, [(PROMPTS[0], dict(max_tokens=40)), (PROMPTS[2], dict(max_tokens=40))])
+    tokens, stats = results[0]
+    assert tokens == reference[:reference.index(eos)] and stats.finish_reason == "eos"
+    # A row that left holds exactly its kept tokens, as a KVCache of its own.
+    for e in batch.engines:
+        assert all(c.offset == len(e.cached_tokens) for c in e.cache)
+    # ... and its next turn reuses that cache.
+    first = [e for e in batch.engines if e.cached_tokens[:len(PROMPTS[0])] == PROMPTS[0]][0]
+    follow_up = PROMPTS[0] + tokens + [eos, 3, 4]
+    tokens, stats = batch_run(batch, [(follow_up, dict(max_tokens=5, engine=first))])[0]
+    assert tokens == [t for t in plain_greedy(target.model, follow_up, 5)][:len(tokens)]
+    assert stats.prompt_cached >= len(PROMPTS[0]) + 5
+
+
+def test_eagle_rows_match_mlx_lm():
+    target = eagle_target()
+    prompts = [repeated_prompt(12, seed) for seed in range(3)]
+    model = random_eagle(target)
+    model._target_embed = target.embed
+    engine = Engine(target, EagleDrafter(model, target.vocab_size), num_draft_tokens=3, adaptive=False)
+    results = batch_run(BatchEngine.spawned(engine, 3), [(p, dict(max_tokens=24)) for p in prompts])
+    for i, prompt in enumerate(prompts):
+        assert results[i][0] == plain_greedy(target.model, prompt, 24)
+    assert sum(results[i][1].accepted for i in results) > 0
+
+
+def test_seeded_sampling_equals_plain_decoding_per_row(target):
+    params = SamplingParams(temp=1.0, top_k=12)
+    engine = Engine(target, LookupDrafter(), num_draft_tokens=4)
+    requests = [(p, dict(max_tokens=30, sampling=params, seed=100 + i)) for i, p in enumerate(PROMPTS)]
+    results = batch_run(BatchEngine.spawned(engine, 3), requests)
+    for i, (prompt, kwargs) in enumerate(requests):
+        alone, _ = run(Engine(target), prompt, 30, sampling=params, seed=kwargs["seed"])
+        assert results[i][0] == alone, i
+
+
+def test_sampled_batch_is_exact():
+    """The statistical harness through a batch of mixed sources: draws of lookup, a draft
+    model and plain rows, each with its own seed, against the target's exact distribution."""
+    target = tiny_target("llama", vocab_size=VOCAB, seed=11, scale=2.5, num_layers=1, hidden_size=32)
+    prompt, params = repeated_prompt(), SamplingParams(temp=1.0)
+    draft = tiny_target("llama", vocab_size=VOCAB, seed=12, scale=2.5, num_layers=1, hidden_size=32)
+    engines = [Engine(target, LookupDrafter(), num_draft_tokens=3, adaptive=False),
+               Engine(target, DraftModelDrafter(draft, VOCAB), num_draft_tokens=2, adaptive=False, residual=True),
+               Engine(target)]
+    engines += [e.spawn() for e in engines]
+    n = 3000
+    results = batch_run(BatchEngine(engines), [(prompt, dict(max_tokens=3, sampling=params, seed=s))
+                                               for s in range(n)])
+    from collections import Counter
+
+    counts = Counter(tuple(results[i][0]) for i in range(n))
+    assert chi_square_pvalue(counts, exact_distribution(target, prompt, 3, params), n) > STRICT
+
+
+def test_a_removed_row_leaves_the_others_alone(target, references):
+    engine = Engine(target, PerPromptScript(references, 32), num_draft_tokens=4, adaptive=False)
+    batch = BatchEngine.spawned(engine, 3)
+    rows = [batch.add(p, max_tokens=30) for p in PROMPTS[:3]]
+    outputs = {id(r): [] for r in rows}
+    for _ in range(3):
+        for row, event in batch.step():
+            if event[0] == "token":
+                outputs[id(row)].append(event[1])
+    batch.remove(rows[1])
+    while batch.rows:
+        for row, event in batch.step():
+            if event[0] == "token":
+                outputs[id(row)].append(event[1])
+    for i in (0, 2):
+        assert outputs[id(rows[i])] == references[tuple(PROMPTS[i])][:30]
+    tokens, _ = batch_run(batch, [(PROMPTS[1], dict(max_tokens=30))])[0]   # the engine is reusable
+    assert tokens == references[tuple(PROMPTS[1])][:30]
+
+
+def test_a_failing_row_fails_alone(target, references):
+    batch = BatchEngine.spawned(Engine(target, LookupDrafter()), 2)
+    good = batch.add(PROMPTS[0], max_tokens=10)
+    bad = batch.add(list(range(20)) * 60, max_tokens=10)   # past the tiny model's context of 1024
+    events = []
+    while batch.rows:
+        events += batch.step()
+    errors = [e for r, e in events if e[0] == "error"]
+    assert len(errors) == 1 and isinstance(errors[0][1], MlxSpecError)
+    assert [e[1] for r, e in events if r is good and e[0] == "token"] == references[tuple(PROMPTS[0])][:10]
+
+
+def test_what_cannot_share_a_pass_is_refused_in_one_line(target):
+    with pytest.raises(MlxSpecError, match="tree drafts"):
+        eagle = eagle_target()
+        BatchEngine.spawned(Engine(eagle, EagleDrafter(random_eagle(eagle), eagle.vocab_size, tree_budget=8)), 2)
+    with pytest.raises(MlxSpecError, match="share one target"):
+        BatchEngine([Engine(target), Engine(tiny_target("llama", seed=9))])
