@@ -113,23 +113,19 @@ def _encode(tokenizer, prompt) -> List[int]:
     return [int(t) for t in (prompt.tolist() if hasattr(prompt, "tolist") else prompt)]
 
 
-def stream_generate(model: Engine, tokenizer, prompt: Union[str, Sequence[int]], max_tokens: int = 256,
-                    stop: Sequence[str] = (), seed: Optional[int] = None, **sampling) -> Iterator[GenerationResponse]:
-    """Yield a GenerationResponse per generated token (text segments as they are committed).
-    prompt: text (encoded as is: apply the chat template first for a chat model) or token ids.
-    seed: the same seed gives the same sampled text whatever the draft source (default: a
-    fresh one per call, in the last response's stats)."""
-    import mlx.core as mx
+class Responses:
+    """Engine events -> GenerationResponses. Each response is held until the next event, so
+    that the last one (from `last`) carries the finish reason and the stats."""
 
-    params = sampling_params(**sampling) if sampling else None
-    seed = secrets.randbits(32) if seed is None and model.seed is None else seed
-    events = model.generate(_encode(tokenizer, prompt), max_tokens=max_tokens, stop_strings=list(stop),
-                            sampling=params, seed=seed)
-    stats, pending, drafted_left = None, None, 0
-    start = time.perf_counter()
+    def __init__(self):
+        self.stats, self.pending, self.drafted_left = None, None, 0
+        self.start = time.perf_counter()
 
-    def response(token, text, from_draft):
-        elapsed = time.perf_counter() - start - stats.prompt_seconds
+    def _response(self, token, text, from_draft) -> GenerationResponse:
+        import mlx.core as mx
+
+        stats = self.stats
+        elapsed = time.perf_counter() - self.start - stats.prompt_seconds
         return GenerationResponse(
             text=text, token=token, from_draft=from_draft, prompt_tokens=stats.prompt_tokens,
             prompt_tps=stats.prompt_tokens_per_second, generation_tokens=stats.generated_tokens,
@@ -137,24 +133,46 @@ def stream_generate(model: Engine, tokenizer, prompt: Union[str, Sequence[int]],
             peak_memory=mx.get_peak_memory() / 1e9, steps=stats.steps,
             tokens_per_step=stats.tokens_per_step, acceptance_rate=stats.acceptance_rate)
 
-    # Each response is held until the next event, so that the last one carries the finish reason.
-    for event in events:
+    def add(self, event) -> Iterator[GenerationResponse]:
         if event[0] == "prefill":
-            stats = event[1]
+            self.stats = event[1]
         elif event[0] == "step":
-            drafted_left = event[2]
+            self.drafted_left = event[2]
         elif event[0] == "token":
-            if pending is not None:
-                yield pending
-            pending = response(event[1], event[2], drafted_left > 0)
-            drafted_left -= 1
+            if self.pending is not None:
+                yield self.pending
+            self.pending = self._response(event[1], event[2], self.drafted_left > 0)
+            self.drafted_left -= 1
         elif event[0] == "text":
-            pending.text += event[1]
-    if pending is None:
-        pending = response(None, "", False)
-    pending.finish_reason = FINISH_REASONS.get(stats.finish_reason)
-    pending.stats = stats
-    yield pending
+            self.pending.text += event[1]
+
+    def last(self) -> GenerationResponse:
+        """The last response, once the generation is done."""
+        last = self.pending if self.pending is not None else self._response(None, "", False)
+        last.finish_reason = FINISH_REASONS.get(self.stats.finish_reason)
+        last.stats = self.stats
+        return last
+
+
+def sampling_and_seed(model: Engine, seed: Optional[int], sampling: dict):
+    """A call's SamplingParams (None: the engine's) and seed (a fresh one where neither the
+    call nor the engine gives one, so that the stats report it)."""
+    params = sampling_params(**sampling) if sampling else None
+    return params, (secrets.randbits(32) if seed is None and model.seed is None else seed)
+
+
+def stream_generate(model: Engine, tokenizer, prompt: Union[str, Sequence[int]], max_tokens: int = 256,
+                    stop: Sequence[str] = (), seed: Optional[int] = None, **sampling) -> Iterator[GenerationResponse]:
+    """Yield a GenerationResponse per generated token (text segments as they are committed).
+    prompt: text (encoded as is: apply the chat template first for a chat model) or token ids.
+    seed: the same seed gives the same sampled text whatever the draft source (default: a
+    fresh one per call, in the last response's stats)."""
+    params, seed = sampling_and_seed(model, seed, sampling)
+    responses = Responses()
+    for event in model.generate(_encode(tokenizer, prompt), max_tokens=max_tokens, stop_strings=list(stop),
+                                sampling=params, seed=seed):
+        yield from responses.add(event)
+    yield responses.last()
 
 
 def generate(model: Engine, tokenizer, prompt: Union[str, Sequence[int]], verbose: bool = False, **kwargs) -> str:

@@ -149,7 +149,8 @@ class BatchEngine:
         seconds = (time.perf_counter() - tic) / len(rows)
         for b, (row, (context, drafts, _)) in enumerate(zip(rows, inputs)):
             n_accepted, next_token = decisions[b].tolist()
-            own = {layer: taps[layer][b:b + 1] for layer in row.engine.drafter.taps}
+            # Gathered: a session keeps them, and a slice would keep every row's alive.
+            own = {layer: mx.take(taps[layer], mx.array([b]), axis=0) for layer in row.engine.drafter.taps}
             row.verdict = row.engine.settle_chain(context, drafts.tolist(), n_accepted, next_token, own)
             row.verdict.seconds = seconds
             row.pending = None

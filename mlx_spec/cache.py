@@ -259,9 +259,11 @@ class RaggedKVCache(_BaseCache):
         n = self.lengths[row]
         cache = KVCache()
         if n:
-            cache.keys = mx.contiguous(self.keys[row:row + 1, :, :n])
-            cache.values = mx.contiguous(self.values[row:row + 1, :, :n])
+            # Gathered (a slice would be a view that keeps the whole batch's buffer alive).
+            index = mx.array([row])
+            cache.keys, cache.values = self.keys[index, :, :n], self.values[index, :, :n]
             cache.offset = n
+            mx.eval(cache.keys, cache.values)
         keep = [i for i in range(len(self.lengths)) if i != row]
         self.lengths = [self.lengths[i] for i in keep]
         if keep and self.keys is not None:

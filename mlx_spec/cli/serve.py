@@ -22,13 +22,17 @@ def _interrupt(signum, frame):
               help="Most conversations kept besides the current one (their caches are reused).")
 @click.option("--prompt-cache-bytes", type=click.IntRange(0), default=1 << 30, show_default=True,
               help="Most bytes those conversations' caches take.")
+@click.option("--max-batch", type=click.IntRange(1), default=8, show_default=True,
+              help="Most requests generated at once, sharing each target pass (1: one at a time).")
 @click.option("--max-body-bytes", type=click.IntRange(1), default=1 << 20, show_default=True,
               help="Largest request body accepted (413 past it).")
 @reports_errors
-def serve(host, port, max_tokens, api_key, prompt_cache_size, prompt_cache_bytes, max_body_bytes, **options):
+def serve(host, port, max_tokens, api_key, prompt_cache_size, prompt_cache_bytes, max_batch, max_body_bytes,
+          **options):
     """Serve the model over the OpenAI API: POST /v1/chat/completions and /v1/completions
-    (streaming too), GET /v1/models and /health. Requests are generated one at a time, each
-    with the --draft source, and a chat's next turn computes only its new tokens."""
+    (streaming too), GET /v1/models and /health. Up to --max-batch requests are generated at
+    once, each with the --draft source, every step's drafts verified in one pass for all of
+    them; a chat's next turn computes only its new tokens."""
     from ..server.app import Server
 
     model = options["path_or_hf_repo"]
@@ -37,7 +41,7 @@ def serve(host, port, max_tokens, api_key, prompt_cache_size, prompt_cache_bytes
         server = Server((host, port), lambda: load_engine(options, sessions=True), name, options["draft"],
                         aliases=[model] if model else [], max_tokens=max_tokens,
                         api_key=api_key, max_body_bytes=max_body_bytes, max_sessions=prompt_cache_size,
-                        max_cache_bytes=prompt_cache_bytes, log=echo_err)
+                        max_cache_bytes=prompt_cache_bytes, max_batch=max_batch, log=echo_err)
     except OSError as e:
         raise click.ClickException(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
     bound_host, bound_port = server.server_address[:2]

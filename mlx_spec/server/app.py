@@ -20,7 +20,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Optional
 
 from .. import __version__
-from ..api import count, stream_generate
+from ..api import Responses, count, sampling_and_seed, stream_generate
+from ..batch import BatchEngine
 from ..errors import MlxSpecError
 from ..models.checkpoint import one_line
 from .protocol import Reply, Request, RequestError, parse, usage
@@ -43,9 +44,11 @@ class Worker(threading.Thread):
     """Owns the engine: loads it (MLX's streams belong to the thread that made them, as in
     mlx_lm.server), then generates for one job at a time, in the order they came."""
 
-    def __init__(self, load, max_sessions: int, max_cache_bytes: int, log):
+    def __init__(self, load, max_sessions: int, max_cache_bytes: int, log, max_batch: int = 1):
         super().__init__(name="mlx-spec-worker", daemon=True)
         self.load, self.max_sessions, self.max_cache_bytes, self.log = load, max_sessions, max_cache_bytes, log
+        self.max_batch = max_batch
+        self.batch: Optional[BatchEngine] = None
         self.jobs: "queue.Queue" = queue.Queue()
         self.stopping = threading.Event()
         self.loaded = threading.Event()
@@ -71,16 +74,17 @@ class Worker(threading.Thread):
             return
         self.tokenizer = self.engine.target.tokenizer
         self.sessions = SessionCache(self.engine, self.max_sessions, self.max_cache_bytes)
-        self.loaded.set()
-        while not self.stopping.is_set():
-            job = self.jobs.get()
-            if job is None:
-                break
-            if job.cancelled.is_set():   # gone while it waited in the queue
-                self.log("client gone: generation stopped before it started")
+        if self.max_batch > 1:
+            reason = self.engine.unbatchable()
+            if reason is None:
+                self.batch = BatchEngine.spawned(self.engine, self.max_batch)
             else:
-                self._generate(job)
-            job.events.put(("end",))
+                self.log(f"batching off: {reason}; requests run one at a time")
+        self.loaded.set()
+        if self.batch is not None:
+            self._serve_batched()
+        else:
+            self._serve_one_at_a_time()
         while True:   # stopped: whoever still waits is told so
             try:
                 job = self.jobs.get_nowait()
@@ -89,6 +93,79 @@ class Worker(threading.Thread):
             if job is not None:
                 job.events.put(("error", RequestError(503, "the server is shutting down", kind="server_error")))
                 job.events.put(("end",))
+
+    def _next_job(self, block: bool) -> Optional[Job]:
+        """The next queued job still wanted (None: none queued, or stopping)."""
+        while not self.stopping.is_set():
+            try:
+                job = self.jobs.get(block=block)
+            except queue.Empty:
+                return None
+            if job is None:
+                return None
+            if not job.cancelled.is_set():
+                return job
+            self.log("client gone: generation stopped before it started")   # it left while queued
+            job.events.put(("end",))
+        return None
+
+    def _serve_one_at_a_time(self) -> None:
+        while True:
+            job = self._next_job(block=True)
+            if job is None:
+                return
+            self._generate(job)
+            job.events.put(("end",))
+
+    def _serve_batched(self) -> None:
+        """Up to max_batch requests at once, one target pass per step for all of them; a new
+        request joins between two steps, a finished or cancelled one leaves."""
+        batch, active = self.batch, {}   # id(row) -> (row, job, Responses)
+        while not self.stopping.is_set():
+            while batch.idle:
+                job = self._next_job(block=not active)
+                if job is None:
+                    break
+                self._start(job, active)
+            for row, event in batch.step():
+                _, job, responses = active[id(row)]
+                if event[0] == "error":
+                    job.events.put(("error", _request_error(event[1], self.log)))
+                else:
+                    for response in responses.add(event):
+                        job.events.put(("response", response))
+                    if event[0] != "done":
+                        continue
+                    job.events.put(("response", responses.last()))
+                    self.sessions.keep(row.engine.detach())
+                job.events.put(("end",))
+                del active[id(row)]
+            for row, job, _ in list(active.values()):
+                if job.cancelled.is_set():
+                    batch.remove(row)
+                    self.log("client gone: generation stopped")
+                    job.events.put(("end",))
+                    del active[id(row)]
+        for row, job, _ in active.values():   # stopped
+            batch.remove(row)
+            self.log("stopped")
+            job.events.put(("end",))
+
+    def _start(self, job: Job, active: dict) -> None:
+        """Add a job to the batch, on the idle engine that holds most of its prompt."""
+        from ..cache import common_prefix_length
+
+        request, batch = job.request, self.batch
+        engine = max(batch.idle, key=lambda e: common_prefix_length(e.cached_tokens, job.tokens))
+        try:
+            self.sessions.prepare(job.tokens, engine)
+            params, seed = sampling_and_seed(engine, request.seed, request.sampling)
+        except MlxSpecError as e:
+            job.events.put(("error", RequestError(400, str(e))))
+            job.events.put(("end",))
+            return
+        row = batch.add(job.tokens, job.max_tokens, request.stop, params, seed, engine=engine)
+        active[id(row)] = (row, job, Responses())
 
     def _generate(self, job: Job) -> None:
         request = job.request
@@ -100,11 +177,8 @@ class Worker(threading.Thread):
                 if job.cancelled.is_set() or self.stopping.is_set():
                     self.log("client gone: generation stopped" if job.cancelled.is_set() else "stopped")
                     return   # closes the generator at this token: the cache stays consistent
-        except MlxSpecError as e:
-            job.events.put(("error", RequestError(400, str(e))))
         except Exception as e:   # never a traceback to the client; the server keeps serving
-            self.log(f"error: {type(e).__name__}: {one_line(e)}")
-            job.events.put(("error", RequestError(500, f"generation failed: {one_line(e)}", kind="server_error")))
+            job.events.put(("error", _request_error(e, self.log)))
 
     def stop(self) -> None:
         self.stopping.set()
@@ -117,7 +191,7 @@ class Server(ThreadingHTTPServer):
 
     def __init__(self, address, load, model_name: str, method: str, aliases=(), max_tokens: int = 512,
                  api_key: Optional[str] = None, max_body_bytes: int = 1 << 20, max_sessions: int = 10,
-                 max_cache_bytes: int = 1 << 30, log=None):
+                 max_cache_bytes: int = 1 << 30, max_batch: int = 1, log=None):
         """load: () -> Engine, called on the worker thread (errors raised here, before serving)."""
         super().__init__(address, Handler)
         self.model_name, self.method = model_name, method
@@ -126,7 +200,7 @@ class Server(ThreadingHTTPServer):
         self.model_names = {model_name, "default_model", *aliases}
         self.max_tokens, self.api_key, self.max_body_bytes = max_tokens, api_key, max_body_bytes
         self.log = log or (lambda line: print(line, file=sys.stderr, flush=True))
-        self.worker = Worker(load, max_sessions, max_cache_bytes, self.log)
+        self.worker = Worker(load, max_sessions, max_cache_bytes, self.log, max_batch)
         try:
             self.engine = self.worker.start_engine()
         except BaseException:
@@ -349,6 +423,15 @@ class Handler(BaseHTTPRequestHandler):
     def _keep_alive(self) -> None:
         self.wfile.write(b": waiting\n\n")
         self.wfile.flush()
+
+
+def _request_error(e: Exception, log) -> RequestError:
+    """What a client is told of a generation that failed: a bad request (400), or the
+    server's own failure (500, logged)."""
+    if isinstance(e, MlxSpecError):
+        return RequestError(400, str(e))
+    log(f"error: {type(e).__name__}: {one_line(e)}")
+    return RequestError(500, f"generation failed: {one_line(e)}", kind="server_error")
 
 
 def _summary(stats) -> str:

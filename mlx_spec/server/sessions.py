@@ -8,7 +8,7 @@ prompt branches off the current conversation before its end (the shared part is 
 and a copy keeps the rest). Rollback after speculation happens inside the engine, so a session
 holds exactly the tokens it says it holds."""
 
-from typing import List
+from typing import List, Optional
 
 from ..cache import common_prefix_length
 from ..engine import Engine, Session
@@ -23,9 +23,10 @@ class SessionCache:
     def nbytes(self) -> int:
         return sum(s.nbytes for s in self.stored)
 
-    def prepare(self, prompt: List[int]) -> None:
-        """Make the engine's conversation the one that shares most with `prompt`."""
-        engine = self.engine
+    def prepare(self, prompt: List[int], engine: Optional[Engine] = None) -> None:
+        """Make the engine's conversation (default: the first engine's; a batch has one engine
+        per row, all sharing this store) the one that shares most with `prompt`."""
+        engine = engine or self.engine
         live = common_prefix_length(engine.cached_tokens, prompt)
         shared = [common_prefix_length(s.tokens, prompt) for s in self.stored]
         best = max(range(len(shared)), key=shared.__getitem__, default=None)
@@ -36,6 +37,11 @@ class SessionCache:
         session = self.stored.pop(best)
         self._store(engine.detach())
         engine.attach(session)
+
+    def keep(self, session: Session) -> None:
+        """Store a conversation (a batch row's, once its request is done): every conversation
+        not being generated for is then bounded by the same count and bytes."""
+        self._store(session)
 
     def _store(self, session: Session) -> None:
         if not session.tokens:
