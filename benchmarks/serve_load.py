@@ -19,8 +19,10 @@ Fairness:
 - mlx_lm.server starts through `import mlx_spec` first, which loads OpenBLAS before mlx.core
   (a plain `python -m mlx_lm.server` keeps MLX's reference BLAS, several times slower);
 - mlx_lm.server's batching (--decode-concurrency, --prompt-concurrency) is left at its
-  defaults; it batches only requests without a `seed`, so at --temperature > 0 it serves one at
-  a time. mlx-spec serve generates one request at a time;
+  defaults; it batches only requests without a `seed`, so at --temperature > 0 it is sent none
+  (--seed-mlx-lm sends them: it then serves one at a time). A config `METHOD` is `mlx-spec serve
+  --draft METHOD` at its default --max-batch; `METHOD/N` passes --max-batch N (`/1`: one request
+  at a time, as before batching);
 - both keep prompt caches at their defaults: a prompt repeated at a later level may find its
   prefix cached (usage.prompt_tokens_details.cached_tokens, summed in --json).
 
@@ -129,9 +131,10 @@ def start_server(config, model_dir, args):
         argv = [sys.executable, "-c", MLX_LM, "--model", str(model_dir), "--host", "127.0.0.1",
                 "--port", str(port), "--max-tokens", str(args.max_tokens)]
         return ServerProcess("mlx_lm.server", argv, port)
+    method, _, max_batch = config.partition("/")
     argv = [str(MLX_SPEC), "serve", "--host", "127.0.0.1", "--port", "0", "--model", str(model_dir),
-            "--draft", config, "--max-tokens", str(args.max_tokens)]
-    return ServerProcess(f"mlx-spec serve --draft {config}", argv)
+            "--draft", method, "--max-tokens", str(args.max_tokens)] + (["--max-batch", max_batch] if max_batch else [])
+    return ServerProcess(f"mlx-spec serve --draft {method}" + (f" --max-batch {max_batch}" if max_batch else ""), argv)
 
 
 def get_json(port, path, timeout):
@@ -208,17 +211,17 @@ def stream_chat(port, body, timeout):
     return result
 
 
-def request_body(model, prompt, index, args, max_tokens=None):
+def request_body(model, prompt, index, args, max_tokens=None, seeded=True):
     body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens or args.max_tokens,
             "temperature": args.temperature, "stream": True, "stream_options": {"include_usage": True}}
     if model is not None:
         body["model"] = model
-    if args.temperature > 0:
+    if args.temperature > 0 and seeded:
         body["seed"] = args.seed + index   # reproducible per prompt, different across prompts
     return body
 
 
-def run_level(port, model, prompts, concurrency, args):
+def run_level(port, model, prompts, concurrency, args, seeded=True):
     """(results in job order, wall seconds): each prompt --repeats times, N clients sharing the list."""
     jobs = [i for _ in range(args.repeats) for i in range(len(prompts))]
     todo = queue.Queue()
@@ -232,7 +235,8 @@ def run_level(port, model, prompts, concurrency, args):
                 j = todo.get_nowait()
             except queue.Empty:
                 return
-            results[j] = stream_chat(port, request_body(model, prompts[jobs[j]], jobs[j], args), args.timeout)
+            results[j] = stream_chat(port, request_body(model, prompts[jobs[j]], jobs[j], args, seeded=seeded),
+                                     args.timeout)
 
     threads = [threading.Thread(target=client, daemon=True) for _ in range(concurrency)]
     start = time.perf_counter()
@@ -257,7 +261,10 @@ def run_config(config, model_dir, prompts, args):
             server.fail(f"warm-up failed: {warm['error']}")
         levels = {}
         for concurrency in args.concurrency:
-            results, wall, jobs = run_level(server.port, model, prompts, concurrency, args)
+            # mlx_lm.server batches only requests without a seed: at temperature > 0 it gets none
+            # (its best throughput; its sampled texts are then not comparable), unless --seed-mlx-lm.
+            seeded = config != "mlx_lm" or args.seed_mlx_lm
+            results, wall, jobs = run_level(server.port, model, prompts, concurrency, args, seeded)
             levels[concurrency] = dict(results=results, wall=wall, jobs=jobs)
             errors = [r["error"] for r in results if r["error"]]
             print(f"{config} x{concurrency}: {len(results)} requests in {wall:.1f} s"
@@ -310,12 +317,14 @@ def fmt(value, spec):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--configs", default="mlx_lm,none,lookup,eagle",
+    parser.add_argument("--configs", default="mlx_lm,none,lookup,eagle,mtp,lookup/1,eagle/1",
                         help="mlx_lm = mlx_lm.server; any other = mlx-spec serve --draft NAME")
     parser.add_argument("--concurrency", default="1,2,4,8", help="client threads per level")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=0, help="seed of the first prompt (temperature > 0)")
+    parser.add_argument("--seed-mlx-lm", action="store_true",
+                        help="send seeds to mlx_lm.server too (it then serves one request at a time)")
     parser.add_argument("--limit", type=int, default=None, help="the first N held-out prompts")
     parser.add_argument("--repeats", type=int, default=1, help="times each prompt goes per level")
     parser.add_argument("--timeout", type=float, default=600, help="seconds one request may take")
@@ -342,8 +351,9 @@ def main():
             for config in configs for c in args.concurrency]
     print(f"{len(prompts)} prompts x {args.repeats}, max_tokens {args.max_tokens}, temperature {args.temperature}; "
           f"weights {model_dir}. mlx_lm = mlx_lm.server, batching at its defaults"
-          f"{' (off: requests carry a seed)' if args.temperature > 0 else ''}; others = mlx-spec serve --draft X "
-          "(one request at a time). Decode tok/s = completion tokens / (total - TTFT), per request.\n")
+          f"{(' (off: requests carry a seed)' if args.seed_mlx_lm else ' (requests carry no seed)') if args.temperature > 0 else ''}"
+          "; others = mlx-spec serve --draft X (batched, --max-batch at its default), X/N: --max-batch N "
+          "(X/1: one request at a time). Decode tok/s = completion tokens / (total - TTFT), per request.\n")
     print("| config | clients | ok | median TTFT ms | median decode tok/s | aggregate tok/s | = own c1 | = mlx_lm c1 |")
     print("|---|---|---|---|---|---|---|---|")
     for row in rows:

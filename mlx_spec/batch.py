@@ -20,6 +20,8 @@ from typing import Generator, List, Optional, Sequence, Tuple
 import mlx.core as mx
 
 from .cache import RaggedKVCache, RaggedRow
+from .cost import LinearCost
+from .drafters.base import Draft
 from .engine import Engine, PendingVerification, Verdict
 from .errors import MlxSpecError
 from .sampling import SamplingParams
@@ -54,6 +56,9 @@ class BatchEngine:
         self.idle = list(self.engines)
         self.rows: List[Row] = []
         self.cache = [RaggedKVCache() for _ in engines[0].cache]
+        # Seconds of a pass by the tokens it runs (rows x width): mostly reading the weights
+        # while few, then growing with each token (prior: 11 tokens ~ 2x one, as cost.py's).
+        self.pass_cost = LinearCost(prior_ratio=0.1)
 
     @classmethod
     def spawned(cls, engine: Engine, max_batch: int) -> "BatchEngine":
@@ -110,6 +115,22 @@ class BatchEngine:
             self._verify()
         return events
 
+    def _width(self, pending: List[PendingVerification]) -> int:
+        """The pass's width (1 + drafts per row): the one with the most expected tokens per
+        second over the whole batch, from each row's policy's P(reach) of its drafts and the
+        measured cost of a pass over rows x width tokens. Rows without a policy (a fixed number
+        of drafts) are never cut."""
+        fixed = [1 + len(p.draft) for p in pending if p.reach is None]
+        reach = [p.reach for p in pending if p.reach is not None]
+        widest = max([1 + len(r) for r in reach] + fixed)
+        best, best_rate = widest, 0.0
+        for width in range(max(fixed, default=1), widest + 1):
+            expected = sum(fixed) + sum(1 + sum(r[:width - 1]) for r in reach)
+            rate = expected / self.pass_cost(len(pending) * width)
+            if rate > best_rate:
+                best, best_rate = width, rate
+        return best
+
     def _join(self, row: Row) -> None:
         """Move the prefilled row's cache into the batch's."""
         engine = row.engine
@@ -131,13 +152,16 @@ class BatchEngine:
         """One target pass over every row's [last token, drafts]; each row's verdict."""
         tic = time.perf_counter()
         rows = sorted(self.rows, key=lambda r: r.index)
+        width = self._width([row.pending for row in rows])
         inputs = []
         for row in rows:
-            context, drafts = row.pending.context, row.pending.draft.tokens
-            drafts = drafts if isinstance(drafts, mx.array) else mx.array(drafts, mx.int32)
+            context, draft = row.pending.context, row.pending.draft
+            drafts = draft.tokens if isinstance(draft.tokens, mx.array) else mx.array(draft.tokens, mx.int32)
+            if row.pending.reach is not None and len(draft) >= width:   # cut to the pass's width
+                drafts = drafts[:width - 1]
+                row.pending.draft = Draft(tokens=drafts, q=None if draft.q is None else draft.q[:width - 1])
             inputs.append((context, drafts, mx.concatenate([mx.array(context[-1:], mx.int32), drafts])))
         widths = [x.shape[0] for _, _, x in inputs]
-        width = max(widths)
         padded = mx.stack([mx.pad(x, [(0, width - x.shape[0])]) for _, _, x in inputs])
         logits, taps = self.target.forward(padded, self.cache, self.taps)
         decisions = [verify_chain(logits[b, :widths[b]], drafts, row.pending.draft.q, row.engine.sampler,
@@ -146,7 +170,9 @@ class BatchEngine:
         mx.eval(decisions, [drafts for _, drafts, _ in inputs])
         for batch in self.cache:   # padding past each row's drafts is not the row's
             batch.lengths = [n - (width - w) for n, w in zip(batch.lengths, widths)]
-        seconds = (time.perf_counter() - tic) / len(rows)
+        seconds = time.perf_counter() - tic
+        self.pass_cost.record(len(rows) * width, seconds)
+        seconds /= len(rows)
         for b, (row, (context, drafts, _)) in enumerate(zip(rows, inputs)):
             n_accepted, next_token = decisions[b].tolist()
             # Gathered: a session keeps them, and a slice would keep every row's alive.

@@ -194,8 +194,9 @@ class RaggedKVCache(_BaseCache):
         self.lengths: List[int] = []
 
     @property
-    def offset(self) -> mx.array:
-        return mx.array(self.lengths)
+    def offset(self):
+        """Each row's position (RoPE's offset): one int while the rows are aligned."""
+        return self.lengths[0] if len(set(self.lengths)) == 1 else mx.array(self.lengths)
 
     @property
     def state(self):
@@ -204,6 +205,8 @@ class RaggedKVCache(_BaseCache):
     def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None, **kwargs):
         if window_size is not None:
             raise MlxSpecError("a ragged batch cache has no sliding window")
+        if len(set(self.lengths)) == 1 and not return_array:   # aligned rows: as a KVCache's
+            return "causal" if N > 1 else None
         ends = mx.array(self.lengths)[:, None, None, None] + mx.arange(N)[None, None, :, None]
         return mx.arange(max(self.lengths) + N)[None, None, None] <= ends
 

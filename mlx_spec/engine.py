@@ -114,6 +114,9 @@ class PendingVerification:
     (Engine.run) is sent the Verdict."""
     context: List[int]            # every committed token; the last one is not in the cache yet
     draft: Draft                  # what the policy kept, as verify takes it
+    # The policy's P(the accepted path reaches each draft); None: no policy, verify them all.
+    # A batch may verify only a chain's first drafts where the wider pass would not pay.
+    reach: Optional[List[float]] = None
 
 
 @dataclass
@@ -310,7 +313,12 @@ class Engine:
         tic = time.perf_counter()
         proposal = self.drafter.propose(self.plan.length)
         kept = self._select(proposal, tic)
-        verdict = yield PendingVerification(context, proposal.subset(kept).as_chain())
+        reach = None
+        if self.policy is not None:
+            reach = self.policy.reach(proposal.confidences, proposal.parent_nodes, self.plan.probing)
+            reach = [reach[i] for i in kept]
+        verdict = yield PendingVerification(context, proposal.subset(kept).as_chain(), reach)
+        kept = kept[:len(verdict.drafts)]        # what was verified (a batch may cut a chain)
         path = [kept[i] for i in verdict.path]   # in the proposal's indices
         if self.policy:
             self.policy.record_verification(1 + len(verdict.drafts), verdict.seconds)
