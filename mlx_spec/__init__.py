@@ -40,7 +40,7 @@ BLAS_PATH = _load_optimized_blas()
 
 __version__ = "0.1.0"
 
-__all__ = ["load", "generate", "stream_generate", "GenerationResponse"]
+__all__ = ["load", "generate", "stream_generate", "batch_generate", "GenerationResponse", "BatchResponse"]
 
 
 def __getattr__(name):

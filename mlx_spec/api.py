@@ -175,6 +175,42 @@ def stream_generate(model: Engine, tokenizer, prompt: Union[str, Sequence[int]],
     yield responses.last()
 
 
+@dataclass
+class BatchResponse:
+    texts: List[str]              # in the order of the prompts
+    stats: List[Stats]            # each generation's, in the same order
+
+
+def batch_generate(model: Engine, tokenizer, prompts: Sequence[Union[str, Sequence[int]]], max_tokens: int = 256,
+                   max_batch: int = 8, stop: Sequence[str] = (), seed: Optional[int] = None,
+                   **sampling) -> BatchResponse:
+    """Generate for several prompts at once, as mlx-lm's batch_generate: up to max_batch share
+    each target pass (continuous batching: a prompt starts as another finishes), each with the
+    engine's draft source, each what `generate` alone would write (prompt i samples with seed
+    + i). The engine and max_batch - 1 copies of it (the same weights) serve the rows."""
+    from .batch import BatchEngine
+
+    params, seed = sampling_and_seed(model, seed, sampling)
+    batch = BatchEngine.spawned(model, min(max_batch, max(1, len(prompts))))
+    todo, rows = list(enumerate(prompts)), {}
+    texts, stats = [[] for _ in prompts], [None] * len(prompts)
+    while todo or batch.rows:
+        while todo and batch.idle:
+            i, prompt = todo.pop(0)
+            row = batch.add(_encode(tokenizer, prompt), max_tokens, list(stop), params,
+                            None if seed is None else seed + i)
+            rows[id(row)] = i
+        for row, event in batch.step():
+            i = rows[id(row)]
+            if event[0] in ("token", "text"):
+                texts[i].append(event[-1])
+            elif event[0] == "done":
+                stats[i] = event[1]
+            elif event[0] == "error":
+                raise event[1]
+    return BatchResponse(["".join(t) for t in texts], stats)
+
+
 def generate(model: Engine, tokenizer, prompt: Union[str, Sequence[int]], verbose: bool = False, **kwargs) -> str:
     """The whole reply as text (kwargs as stream_generate's). verbose: print it as it comes,
     then the statistics, as mlx_lm.generate does."""

@@ -7,22 +7,22 @@ RaggedKVCache (cache.py) in which each row keeps its own length. Each row's verd
 its own logits by the rule it would meet alone (verify.py), with its own sampler, so a row's
 output is what it would be alone: the same tokens greedy, the same tokens for a seed sampled.
 
-A new row is prefilled on a cache of its own (its whole prompt, between two steps of the
-others) and then joins the batch; a finished or removed row leaves it with its cache as a
+New rows are prefilled together (their whole prompts, between two steps of the others, in
+passes over all of them on a ragged cache of their own) and then join the batch; a finished or removed row leaves it with its cache as a
 KVCache again (a server keeps it as the conversation's). Each row's policy weighs its drafts
 against its share of the pass: a pass over B rows costs each row a B-th of it, so the wider
 the batch, the more a draft's widening of the pass costs against the plain step it saves."""
 
 import time
 from dataclasses import dataclass, field
-from typing import Generator, List, Optional, Sequence, Tuple
+from typing import Dict, Generator, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
 from .cache import RaggedKVCache, RaggedRow
 from .cost import LinearCost
 from .drafters.base import Draft
-from .engine import Engine, PendingVerification, Verdict
+from .engine import PREFILL_CHUNK, Engine, PendingPrefill, PendingVerification, Verdict
 from .errors import MlxSpecError
 from .sampling import SamplingParams
 from .verify import verify_chain
@@ -91,29 +91,85 @@ class BatchEngine:
         row.engine.reset()
 
     def step(self) -> List[Tuple[Row, tuple]]:
-        """One step of every row: new rows prefill and join, each row drafts, one target pass
-        verifies every row's drafts, each row commits. Returns the rows' events (Engine.generate's,
-        and ("error", exception) for a row that failed and left), each row's in order."""
-        events = []
+        """One step of every row: new rows prefill (one pass for all of them) and join, each row
+        drafts, one target pass verifies every row's drafts, each row commits. Returns the rows'
+        events (Engine.generate's, and ("error", exception) for a row that failed and left),
+        each row's in order."""
+        events, prefills = [], []
         for row in list(self.rows):
+            pending = self._advance(row, row.verdict, events)
+            if isinstance(pending, PendingPrefill):
+                prefills.append((row, pending))
+        if prefills:
             try:
-                event = row.run.send(row.verdict) if row.started else next(row.run)
-                row.started, row.verdict = True, None
-                while not isinstance(event, PendingVerification):
-                    events.append((row, event))
-                    if event[0] == "prefill":
-                        self._join(row)
-                    event = next(row.run)
-                row.pending = event
-            except StopIteration:
-                self._leave(row)
-            except Exception as e:   # this row's alone (a prompt too long): the others go on
-                events.append((row, ("error", e)))
-                self._leave(row)
-                row.engine.reset()
+                filled = self._prefill(prefills)
+            except Exception as e:   # the new rows fail; the others go on
+                for row, _ in prefills:
+                    self._fail(row, e, events)
+                filled = []
+            for row, taps in filled:
+                self._advance(row, taps, events)
         if self.rows:
             self._verify()
         return events
+
+    def _advance(self, row: Row, value, events: list):
+        """Run a row's coroutine (sent `value`) to its next pass, collecting its events; the
+        pass it waits for (a PendingVerification is kept as row.pending), or None if it left."""
+        try:
+            event = row.run.send(value) if row.started else next(row.run)
+            row.started, row.verdict = True, None
+            while not isinstance(event, (PendingPrefill, PendingVerification)):
+                events.append((row, event))
+                if event[0] == "prefill":
+                    self._join(row)
+                event = next(row.run)
+        except StopIteration:
+            self._leave(row)
+            return None
+        except Exception as e:   # this row's alone (a prompt too long): the others go on
+            self._fail(row, e, events)
+            return None
+        if isinstance(event, PendingVerification):
+            row.pending = event
+        return event
+
+    def _fail(self, row: Row, error: Exception, events: list) -> None:
+        events.append((row, ("error", error)))
+        row.run.close()
+        self._leave(row)
+        row.engine.reset()
+
+    def _prefill(self, prefills: List[Tuple[Row, PendingPrefill]]) -> List[Tuple[Row, Dict[int, mx.array]]]:
+        """Bring each new row's own cache to its prompt, in passes over all the rows still
+        filling, on a ragged cache of their own: each pass feeds every such row as many tokens
+        as the shortest still needs, so no pass computes padding and there are no more passes
+        than rows (a prefill of a few dozen tokens is far from filling the CPU: several cost
+        little more than one). Each row's taps."""
+        todo = [p.tokens[len(row.engine.cached_tokens):] for row, p in prefills]
+        rows = [row for (row, _), tokens in zip(prefills, todo) if tokens]
+        todo = [tokens for tokens in todo if tokens]
+        pieces = {id(row): {} for row, _ in prefills}
+        cache = [RaggedKVCache() for _ in self.cache]
+        for row in rows:
+            for batch, own in zip(cache, row.engine.cache):
+                batch.add(own)
+        done, active = [0] * len(rows), list(range(len(rows)))   # active[i]: the row in cache row i
+        while active:
+            width = min(PREFILL_CHUNK, *(len(todo[b]) - done[b] for b in active))
+            chunks = [todo[b][done[b]:done[b] + width] for b in active]
+            _, taps = self.target.forward(mx.array(chunks, mx.int32), cache, self.taps)
+            mx.eval([c.state for c in cache], taps)
+            for i, (b, chunk) in enumerate(zip(active, chunks)):
+                own = {layer: mx.take(taps[layer], mx.array([i]), axis=0) for layer in rows[b].engine.drafter.taps}
+                rows[b].engine.filled(chunk, own, pieces[id(rows[b])])
+                done[b] += width
+            for i in reversed(range(len(active))):   # a row whose prompt is in leaves with its cache
+                if done[active[i]] == len(todo[active[i]]):
+                    rows[active[i]].engine.session.cache = [batch.take(i) for batch in cache]
+                    del active[i]
+        return [(row, {layer: mx.concatenate(hs, axis=1) for layer, hs in pieces[id(row)].items()})
+                for row, _ in prefills]
 
     def _width(self, pending: List[PendingVerification]) -> int:
         """The pass's width (1 + drafts per row): the one with the most expected tokens per

@@ -232,6 +232,100 @@ def run_bench(target, engines: Dict[str, object], items, max_tokens, repeats, sa
     return records
 
 
+def run_concurrent(target, engines: Dict[str, object], items, max_tokens, repeats, sampling, seed=0,
+                   concurrency=4, progress=None) -> List[Record]:
+    """--concurrency N: every item's first turn, N generated at once: each method's BatchEngine
+    (continuous batching: a prompt joins as another finishes) against mlx-lm's own batched
+    generation (BatchGenerator, N rows) over the same prompts, in turns whose order alternates
+    per repeat. One record per prompt and method, category "all": its seconds are the batch's
+    wall time shared in proportion to tokens, so that a repeat's tok/s is the aggregate
+    throughput. Outputs are compared with mlx-lm's where greedy (its batched sampling is not
+    seeded per row)."""
+    from mlx_lm.generate import BatchGenerator
+    from mlx_lm.sample_utils import make_sampler
+
+    from .batch import BatchEngine
+
+    tokenizer = target.tokenizer
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": item["turns"][0]}],
+                                             add_generation_prompt=True) for item in items]
+    batches = {name: BatchEngine.spawned(engine, concurrency) for name, engine in engines.items()}
+
+    def baseline(prompts=prompts, max_tokens=max_tokens):
+        generator = BatchGenerator(target.model, max_tokens=max_tokens,
+                                   stop_tokens=[[t] for t in target.eos_token_ids],
+                                   sampler=None if sampling.greedy else make_sampler(
+                                       sampling.temp, sampling.top_p, sampling.min_p, top_k=sampling.top_k),
+                                   completion_batch_size=concurrency, prefill_batch_size=concurrency)
+        uids = generator.insert(prompts, [max_tokens] * len(prompts))
+        tokens = {uid: [] for uid in uids}
+        while responses := generator.next_generated():
+            for r in responses:
+                if r.finish_reason != "stop":   # "stop": the EOS token, not output
+                    tokens[r.uid].append(r.token)
+        generator.close()
+        return [dict(tokens=tokens[uid]) for uid in uids]
+
+    def method(batch):
+        for engine in batch.engines:   # fresh caches, as the baseline's
+            engine.reset()
+        out = [dict(tokens=[], histogram=Counter()) for _ in prompts]
+        todo, rows = list(range(len(prompts))), {}
+        while todo or batch.rows:
+            while todo and batch.idle:
+                i = todo.pop(0)
+                rows[id(batch.add(prompts[i], max_tokens=max_tokens, seed=seed + i))] = i
+            for row, event in batch.step():
+                result = out[rows[id(row)]]
+                if event[0] == "token":
+                    result["tokens"].append(event[1])
+                elif event[0] == "step":
+                    result["histogram"][event[2] + 1] += 1
+                elif event[0] == "done":
+                    result["stats"] = event[1]
+                elif event[0] == "error":
+                    raise event[1]
+        return out
+
+    def timed(run):
+        tic = time.perf_counter()
+        results = run()
+        mx.synchronize()
+        return results, time.perf_counter() - tic
+
+    def share(results, seconds):
+        total = sum(len(r["tokens"]) for r in results) or 1
+        return [seconds * len(r["tokens"]) / total for r in results]
+
+    baseline(prompts[:1], 8)   # warm-up on the first prompt: both paths build their graphs once
+    for batch in batches.values():
+        batch.add(prompts[0], max_tokens=8)
+        while batch.rows:
+            batch.step()
+    records = []
+    for repeat in range(repeats):
+        for n, (name, batch) in enumerate(batches.items()):
+            runs = [baseline, lambda: method(batch)]
+            order = [0, 1] if (repeat + n) % 2 == 0 else [1, 0]
+            timings = {i: timed(runs[i]) for i in order}
+            (base, base_seconds), (results, seconds) = timings[0], timings[1]
+            for item, result, spent, reference, base_spent in zip(
+                    items, results, share(results, seconds), base, share(base, base_seconds)):
+                stats = result["stats"]
+                diff = _first_difference(result["tokens"], reference["tokens"])
+                records.append(Record(
+                    method=name, category="all", question_id=item["question_id"], turn=0, repeat=repeat,
+                    generated_tokens=len(result["tokens"]), seconds=spent, steps=stats.steps,
+                    plain_steps=stats.plain_steps, proposed=stats.proposed, accepted=stats.accepted,
+                    baseline_tokens=len(reference["tokens"]), baseline_seconds=base_spent,
+                    identical=(diff is None) if sampling.greedy else None,
+                    first_difference=diff if sampling.greedy else None,
+                    tokens_per_step_histogram=dict(sorted(result["histogram"].items()))))
+            if progress is not None:
+                progress(len(items))
+    return records
+
+
 def summarize(records: List[Record]) -> List[dict]:
     """One row per (method, category) and per method overall ("all", where it has several
     categories), in the order the methods came; tok/s and speedup are medians over repeats."""

@@ -108,6 +108,13 @@ class Verdict:
 
 
 @dataclass
+class PendingPrefill:
+    """The cache must hold `tokens` (it holds a prefix of them, engine.cached_tokens): the
+    coroutine (Engine.run) is sent the taps {layer: [1, n, H]} of the positions computed."""
+    tokens: List[int]
+
+
+@dataclass
 class PendingVerification:
     """A step's drafts, waiting for the target's pass: Engine.generate runs it at once, a
     BatchEngine one pass for every sequence's (batch.py). The coroutine that yielded it
@@ -175,7 +182,7 @@ class Engine:
         """An engine over the same target and drafter weights, with the same settings and a
         state of its own (its policy starts from what this one has learned)."""
         settings = dict(self.settings, policy=copy.deepcopy(self.policy))
-        return Engine(self.target, self.drafter.spawn(), **settings)
+        return type(self)(self.target, self.drafter.spawn(), **settings)
 
     def unbatchable(self) -> Optional[str]:
         """Why this engine's generations cannot share a target pass with others (None: they can)."""
@@ -248,11 +255,16 @@ class Engine:
             chunk = tokens[i:min(i + PREFILL_CHUNK, len(tokens))]
             _, taps = self.target.forward(mx.array(chunk)[None], self.cache, self.drafter.taps)
             mx.eval([c.state for c in self.cache], taps)
-            for layer, h in taps.items():
-                pieces.setdefault(layer, []).append(h)
-            self.cached_tokens += chunk
-            self._record_taps(taps)
+            self.filled(chunk, taps, pieces)
         return {layer: mx.concatenate(hs, axis=1) for layer, hs in pieces.items()}
+
+    def filled(self, chunk: List[int], taps: Dict[int, mx.array], pieces: Dict[int, list]) -> None:
+        """The cache now holds `chunk` too (a prefill pass, here or a batch's); its taps
+        [1, len(chunk), H] join `pieces`."""
+        for layer, h in taps.items():
+            pieces.setdefault(layer, []).append(h)
+        self.cached_tokens += chunk
+        self._record_taps(taps)
 
     def _select(self, proposal: Draft, tic: float) -> List[int]:
         """Indices of the proposed drafts that the policy finds worth verifying. Evaluating
@@ -326,9 +338,9 @@ class Engine:
         self.drafter.commit(path, verdict.next_token, verdict.taps)
         return StepResult(len(proposal), verdict.drafts, verdict.path, verdict.next_token)
 
-    def _prefill(self, context: List[int]) -> int:
-        """Bring the cache to context[:-1], reusing the longest prefix already there; return
-        how many tokens were reused."""
+    def _prefill(self, context: List[int]):
+        """Bring the cache to context[:-1], reusing the longest prefix already there: a
+        coroutine that yields the PendingPrefill and returns how many tokens were reused."""
         start = min(common_prefix_length(self.cached_tokens, context), len(context) - 1)
         if self.drafter.taps and start > 0:
             # Recompute at least one position: feature drafters pair the last prompt token with
@@ -336,7 +348,7 @@ class Engine:
             start -= 1
         self._roll_back(start)
         start = len(self.cached_tokens)   # 0 when the cache could not roll back
-        taps = self._fill(list(context[:-1]))
+        taps = yield PendingPrefill(list(context[:-1]))
         reused = start
         if self.drafter_stale:
             # The drafter starts over on this conversation, from the features the session kept.
@@ -354,7 +366,14 @@ class Engine:
         try:
             event = next(run)
             while True:
-                if isinstance(event, PendingVerification):
+                if isinstance(event, PendingPrefill):
+                    try:
+                        taps = self._fill(event.tokens)
+                    except BaseException as e:
+                        event = run.throw(e)
+                        continue
+                    event = run.send(taps)
+                elif isinstance(event, PendingVerification):
                     tic = time.perf_counter()
                     try:
                         verdict = self._verify(event.context, event.draft)
@@ -374,7 +393,8 @@ class Engine:
     def run(self, prompt: Sequence[int], max_tokens: int = 256, stop_strings: Sequence[str] = (),
             sampling: Optional[SamplingParams] = None, seed: Optional[int] = None):
         """generate as a coroutine that leaves the target's passes to its caller: it yields
-        generate's events and, at each step, a PendingVerification, to be sent the Verdict."""
+        generate's events, a PendingPrefill (to be sent the taps) and, at each step, a
+        PendingVerification (to be sent the Verdict)."""
         prompt = list(prompt)
         self._check(prompt, max_tokens)
         self.sampler.params = (sampling or self.sampling).check(self.target.vocab_size)
@@ -384,7 +404,7 @@ class Engine:
         if self.policy:
             self.policy.new_text()
         tic = time.perf_counter()
-        stats.prompt_cached = self._prefill(prompt)
+        stats.prompt_cached = yield from self._prefill(prompt)
         stats.prompt_seconds = time.perf_counter() - tic
         yield ("prefill", stats)
 

@@ -76,3 +76,21 @@ def test_python_c_with_a_draft_source():
                          capture_output=True, text=True, timeout=300)
     assert cli.returncode == 0, cli.stderr
     assert api.stdout == json.loads(cli.stdout)["text"] and api.stdout.strip()
+
+
+def test_batch_generate_writes_what_generate_writes(model_dir):
+    """Several prompts at once (two rows, three prompts: the third starts as one finishes), a
+    stop string inside the drafts of one of them, greedy and seeded."""
+    from mlx_spec import batch_generate
+
+    model, tokenizer = load(str(model_dir), draft="model", draft_model=str(model_dir), adaptive=False,
+                            num_draft_tokens=3)
+    prompts = ["Tell me a story", "Once upon a time", "A list of fruits:"]
+    stop = generate(model, tokenizer, prompts[1], max_tokens=14)[5:8]   # ends the second reply mid-way
+    alone = [generate(model, tokenizer, p, max_tokens=14, stop=[stop]) for p in prompts]
+    batched = batch_generate(model, tokenizer, prompts, max_tokens=14, max_batch=2, stop=[stop])
+    assert batched.texts == alone and batched.stats[1].finish_reason == "stop"
+    assert all(s.accepted == s.proposed > 0 for s in batched.stats)
+    sampled = batch_generate(model, tokenizer, prompts, max_tokens=10, max_batch=2, temp=0.9, seed=5)
+    assert sampled.texts == [generate(model, tokenizer, p, max_tokens=10, temp=0.9, seed=5 + i)
+                             for i, p in enumerate(prompts)]

@@ -209,3 +209,25 @@ def test_what_cannot_share_a_pass_is_refused_in_one_line(target):
         BatchEngine.spawned(Engine(eagle, EagleDrafter(random_eagle(eagle), eagle.vocab_size, tree_budget=8)), 2)
     with pytest.raises(MlxSpecError, match="share one target"):
         BatchEngine([Engine(target), Engine(tiny_target("llama", seed=9))])
+
+
+def test_dflash_and_medusa_rows_match_mlx_lm(tmp_path):
+    """The learned chain sources that read the target's features, a batch each, rows of
+    different prompts."""
+    from test_dflash import random_dflash
+    from test_medusa import random_heads, write
+
+    from mlx_spec.drafters.dflash import DFlashDrafter
+    from mlx_spec.drafters.medusa import MedusaDrafter
+    from mlx_spec.models.medusa import load_medusa
+
+    target = tiny_target("qwen3", num_layers=4)
+    dflash, _, _ = random_dflash(tmp_path, target, seed=1)
+    medusa = load_medusa(write(tmp_path / "medusa", random_heads(64, 32)), target)
+    requests = [(p, dict(max_tokens=20)) for p in PROMPTS[:4]]
+    for drafter in (DFlashDrafter(target, dflash), MedusaDrafter(target, medusa)):
+        engine = Engine(target, drafter, num_draft_tokens=4, adaptive=False)
+        results = batch_run(BatchEngine.spawned(engine, 3), requests)
+        for i, (prompt, _) in enumerate(requests):
+            assert results[i][0] == plain_greedy(target.model, prompt, 20), (type(drafter).__name__, i)
+        assert sum(results[i][1].proposed for i in results) > 0

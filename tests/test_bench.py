@@ -165,3 +165,35 @@ def test_rows_follow_methods_and_say_what_they_cannot(tmp_path):
     assert data["meta"]["drafters"]["none"] is None
     assert data["meta"]["drafters"]["eagle"].endswith("shipped/smollm2-135m-instruct/eagle")
     assert "--repeats 1: one run per prompt, no spread" in result.stderr
+
+
+class DivergentRun(Engine):
+    """As DivergentEngine, for the batched path (which drives Engine.run)."""
+
+    def run(self, prompt, max_tokens=256, stop_strings=(), sampling=None, seed=None):
+        n, events = 0, super().run(prompt, max_tokens, stop_strings, sampling, seed)
+        event = next(events)
+        while True:
+            if isinstance(event, tuple) and event[0] == "token":   # not a pending pass
+                n += 1
+                if n == 6:
+                    event = ("token", (event[1] + 1) % 100, event[2])
+            try:
+                event = events.send((yield event))
+            except StopIteration:
+                return
+
+
+def test_concurrent_mode_counts_lossless_outputs_against_mlx_lm_batched(tiny_dir):
+    target = load_target(tiny_dir, "float32")
+    sampling = SamplingParams()
+    engines = {"lookup": Engine(target, LookupDrafter(), sampling=sampling),
+               "broken": DivergentRun(target, sampling=sampling)}
+    items = bench.load_prompts(None, ["summarize", "code"])
+    records = bench.run_concurrent(target, engines, items, max_tokens=12, repeats=2, sampling=sampling,
+                                   concurrency=3)
+    rows = {r["method"]: r for r in bench.summarize(records)}
+    assert rows["lookup"]["identical"] == "8/8" and rows["broken"]["identical"] == "0/8"
+    assert rows["broken"]["first_differences"] == [5] * 8
+    assert {r.category for r in records} == {"all"} and rows["lookup"]["repeats"] == 2
+    assert all(r.generated_tokens == 12 and r.seconds > 0 and r.baseline_seconds > 0 for r in records)

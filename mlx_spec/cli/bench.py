@@ -31,6 +31,9 @@ from .common import echo_err, reports_errors, source_defaults
               help="Most tokens generated per prompt (and per turn).")
 @click.option("--repeats", type=click.IntRange(1), default=3, show_default=True,
               help="Runs of each prompt per method; the table reports medians.")
+@click.option("--concurrency", type=click.IntRange(0), default=0, show_default=True,
+              help="N > 0: every prompt's first turn, N at once (batched), against mlx-lm's batched generation; "
+                   "aggregate tok/s.")
 @click.option("--temp", type=float, default=0.0, show_default=True, help="Sampling temperature (0: greedy).")
 @click.option("--top-p", type=float, default=1.0, show_default=True, help="Nucleus sampling.")
 @click.option("--seed", type=int, default=0, show_default=True,
@@ -47,8 +50,10 @@ from .common import echo_err, reports_errors, source_defaults
 @click.option("--plot", "plot_path", default=None, help="Write a PNG plot here (needs matplotlib).")
 @reports_errors
 def bench(model_path, revision, dtype, prompts, categories, methods, draft_models, num_draft_tokens,
-          tree_budget, tree_topk, exit_layer, max_tokens, repeats, temp, top_p, seed, stop_early, adaptive, residual, json_path, markdown_path, plot_path):
-    """Time draft methods side by side with plain mlx_lm.stream_generate."""
+          tree_budget, tree_topk, exit_layer, max_tokens, repeats, concurrency, temp, top_p, seed, stop_early, adaptive,
+          residual, json_path, markdown_path, plot_path):
+    """Time draft methods side by side with plain mlx_lm.stream_generate (--concurrency N: several
+    prompts at once, batched, against mlx-lm's batched generation)."""
     from .. import bench as harness
     from ..api import draft_model_path
     from ..api import model_path as resolve_model
@@ -90,13 +95,18 @@ def bench(model_path, revision, dtype, prompts, categories, methods, draft_model
     if not engines:
         raise MlxSpecError("--methods names no method")
 
-    total = repeats * len(engines) * sum(len(item["turns"]) for item in items)
+    total = repeats * len(engines) * (len(items) if concurrency else sum(len(item["turns"]) for item in items))
     with click.progressbar(length=total, label="bench", file=click.get_text_stream("stderr")) as bar:
-        records = harness.run_bench(target, engines, items, max_tokens, repeats, sampling, seed,
-                                    progress=bar.update, residual=residual)
+        if concurrency:
+            records = harness.run_concurrent(target, engines, items, max_tokens, repeats, sampling, seed,
+                                             concurrency, progress=bar.update)
+        else:
+            records = harness.run_bench(target, engines, items, max_tokens, repeats, sampling, seed,
+                                        progress=bar.update, residual=residual)
     rows = harness.summarize(records)
     meta = harness.machine_info(target, {name: drafter_used(name, target, paths.get(name)) for name in names})
     meta.update(max_tokens=max_tokens, repeats=repeats, temp=temp, num_draft_tokens=lengths,
+                concurrency=concurrency or None,
                 sampling_rule="residual" if residual else "seeded", adaptive=adaptive, stop_early=stop_early,
                 tree_budget=tree_budget, tree_topk=tree_topk, exit_layer=exit_layer)
     click.echo(harness.render_table(rows))
