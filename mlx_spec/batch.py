@@ -8,10 +8,11 @@ its own logits by the rule it would meet alone (verify.py), with its own sampler
 output is what it would be alone: the same tokens greedy, the same tokens for a seed sampled.
 
 New rows are prefilled together (their whole prompts, between two steps of the others, in
-passes over all of them on a ragged cache of their own) and then join the batch; a finished or removed row leaves it with its cache as a
-KVCache again (a server keeps it as the conversation's). Each row's policy weighs its drafts
-against its share of the pass: a pass over B rows costs each row a B-th of it, so the wider
-the batch, the more a draft's widening of the pass costs against the plain step it saves."""
+passes over all of them on a ragged cache of their own) and then join the batch; a finished or
+removed row leaves it with its cache as a KVCache again (a server keeps it as the
+conversation's). How wide the pass is gets decided for the batch (the expected tokens of each
+row's drafts against the measured cost of rows x width tokens), and each row's policy is
+charged its share of the pass: the wider the batch, the less a draft's widening pays."""
 
 import time
 from dataclasses import dataclass, field
@@ -26,6 +27,12 @@ from .engine import PREFILL_CHUNK, Engine, PendingPrefill, PendingVerification, 
 from .errors import MlxSpecError
 from .sampling import SamplingParams
 from .verify import verify_chain
+
+
+def _check(engine: Engine) -> None:
+    reason = engine.unbatchable()
+    if reason is not None:
+        raise MlxSpecError(f"requests cannot share a pass: {reason}")
 
 
 @dataclass
@@ -45,9 +52,7 @@ class BatchEngine:
         if not engines:
             raise MlxSpecError("a batch needs at least one engine")
         for engine in engines:
-            reason = engine.unbatchable()
-            if reason is not None:
-                raise MlxSpecError(f"requests cannot share a pass: {reason}")
+            _check(engine)
             if engine.target is not engines[0].target:
                 raise MlxSpecError("a batch's engines must share one target")
         self.target = engines[0].target
@@ -65,9 +70,7 @@ class BatchEngine:
         """engine and max_batch - 1 engines spawned from it (the same drafter weights)."""
         if max_batch < 1:
             raise MlxSpecError(f"--max-batch must be >= 1, got {max_batch}")
-        reason = engine.unbatchable()   # before spawning copies of what cannot batch
-        if reason is not None:
-            raise MlxSpecError(f"requests cannot share a pass: {reason}")
+        _check(engine)   # before spawning copies of what cannot batch
         return cls([engine] + [engine.spawn() for _ in range(max_batch - 1)])
 
     def add(self, prompt: Sequence[int], max_tokens: int = 256, stop_strings: Sequence[str] = (),
@@ -91,7 +94,7 @@ class BatchEngine:
         row.engine.reset()
 
     def step(self) -> List[Tuple[Row, tuple]]:
-        """One step of every row: new rows prefill (one pass for all of them) and join, each row
+        """One step of every row: new rows prefill (in passes they share) and join, each row
         drafts, one target pass verifies every row's drafts, each row commits. Returns the rows'
         events (Engine.generate's, and ("error", exception) for a row that failed and left),
         each row's in order."""
@@ -175,7 +178,10 @@ class BatchEngine:
         """The pass's width (1 + drafts per row): the one with the most expected tokens per
         second over the whole batch, from each row's policy's P(reach) of its drafts and the
         measured cost of a pass over rows x width tokens. Rows without a policy (a fixed number
-        of drafts) are never cut."""
+        of drafts) are never cut, nor a row alone (its own policy weighed its drafts against
+        the pass, which is its own)."""
+        if len(pending) == 1:
+            return 1 + len(pending[0].draft)
         fixed = [1 + len(p.draft) for p in pending if p.reach is None]
         reach = [p.reach for p in pending if p.reach is not None]
         widest = max([1 + len(r) for r in reach] + fixed)
