@@ -35,7 +35,7 @@ def _check(engine: Engine) -> None:
         raise MlxSpecError(f"requests cannot share a pass: {reason}")
 
 
-@dataclass
+@dataclass(eq=False)   # a row is itself, whatever it holds
 class Row:
     engine: Engine
     run: Generator                      # engine.run(...)
@@ -90,7 +90,8 @@ class BatchEngine:
         """Stop a generation now (a client gone). Its conversation is dropped: the step it was
         in never committed."""
         row.run.close()
-        self._leave(row)
+        if row in self.rows:   # not already gone (a step that failed)
+            self._leave(row)
         row.engine.reset()
 
     def step(self) -> List[Tuple[Row, tuple]]:

@@ -127,7 +127,17 @@ class Worker(threading.Thread):
                 if job is None:
                     break
                 self._start(job, active)
-            for row, event in batch.step():
+            try:
+                events = batch.step()
+            except Exception as e:   # the pass itself failed: every request in it fails, the server serves on
+                error = _request_error(e, self.log)
+                for row, job, _ in active.values():
+                    batch.remove(row)
+                    job.events.put(("error", error))
+                    job.events.put(("end",))
+                active.clear()
+                continue
+            for row, event in events:
                 _, job, responses = active[id(row)]
                 if event[0] == "error":
                     job.events.put(("error", _request_error(event[1], self.log)))
