@@ -192,22 +192,16 @@ def batch_generate(model: Engine, tokenizer, prompts: Sequence[Union[str, Sequen
 
     params, seed = sampling_and_seed(model, seed, sampling)
     batch = BatchEngine.spawned(model, min(max_batch, max(1, len(prompts))))
-    todo, rows = list(enumerate(prompts)), {}
+    requests = [dict(prompt=_encode(tokenizer, prompt), max_tokens=max_tokens, stop_strings=list(stop),
+                     sampling=params, seed=None if seed is None else seed + i) for i, prompt in enumerate(prompts)]
     texts, stats = [[] for _ in prompts], [None] * len(prompts)
-    while todo or batch.rows:
-        while todo and batch.idle:
-            i, prompt = todo.pop(0)
-            row = batch.add(_encode(tokenizer, prompt), max_tokens, list(stop), params,
-                            None if seed is None else seed + i)
-            rows[id(row)] = i
-        for row, event in batch.step():
-            i = rows[id(row)]
-            if event[0] in ("token", "text"):
-                texts[i].append(event[-1])
-            elif event[0] == "done":
-                stats[i] = event[1]
-            elif event[0] == "error":
-                raise event[1]
+    for i, event in batch.generate_all(requests):
+        if event[0] in ("token", "text"):
+            texts[i].append(event[-1])
+        elif event[0] == "done":
+            stats[i] = event[1]
+        elif event[0] == "error":
+            raise event[1]
     return BatchResponse(["".join(t) for t in texts], stats)
 
 

@@ -16,7 +16,7 @@ charged its share of the pass: the wider the batch, the less a draft's widening 
 
 import time
 from dataclasses import dataclass, field
-from typing import Dict, Generator, List, Optional, Sequence, Tuple
+from typing import Dict, Generator, Iterator, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
@@ -85,6 +85,18 @@ class BatchEngine:
         row = Row(engine, engine.run(prompt, max_tokens, stop_strings, sampling, seed))
         self.rows.append(row)
         return row
+
+    def generate_all(self, requests: Sequence[dict]) -> Iterator[Tuple[int, tuple]]:
+        """Every request (add's keyword arguments), in order, as many at once as engines are
+        idle (continuous batching); (the request's index, each of its events), each request's
+        in order. A request that fails yields ("error", exception) and the others go on."""
+        todo, index = list(enumerate(requests)), {}
+        while todo or self.rows:
+            while todo and self.idle:
+                i, request = todo.pop(0)
+                index[id(self.add(**request))] = i
+            for row, event in self.step():
+                yield index[id(row)], event
 
     def remove(self, row: Row) -> None:
         """Stop a generation now (a client gone). Its conversation is dropped: the step it was

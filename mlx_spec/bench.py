@@ -270,21 +270,17 @@ def run_concurrent(target, engines: Dict[str, object], items, max_tokens, repeat
         for engine in batch.engines:   # fresh caches, as the baseline's
             engine.reset()
         out = [dict(tokens=[], histogram=Counter()) for _ in prompts]
-        todo, rows = list(range(len(prompts))), {}
-        while todo or batch.rows:
-            while todo and batch.idle:
-                i = todo.pop(0)
-                rows[id(batch.add(prompts[i], max_tokens=max_tokens, seed=seed + i))] = i
-            for row, event in batch.step():
-                result = out[rows[id(row)]]
-                if event[0] == "token":
-                    result["tokens"].append(event[1])
-                elif event[0] == "step":
-                    result["histogram"][event[2] + 1] += 1
-                elif event[0] == "done":
-                    result["stats"] = event[1]
-                elif event[0] == "error":
-                    raise event[1]
+        requests = [dict(prompt=prompt, max_tokens=max_tokens, seed=seed + i) for i, prompt in enumerate(prompts)]
+        for i, event in batch.generate_all(requests):
+            result = out[i]
+            if event[0] == "token":
+                result["tokens"].append(event[1])
+            elif event[0] == "step":
+                result["histogram"][event[2] + 1] += 1
+            elif event[0] == "done":
+                result["stats"] = event[1]
+            elif event[0] == "error":
+                raise event[1]
         return out
 
     def timed(run):

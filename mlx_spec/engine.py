@@ -366,22 +366,13 @@ class Engine:
         try:
             event = next(run)
             while True:
-                if isinstance(event, PendingPrefill):
+                if isinstance(event, (PendingPrefill, PendingVerification)):
                     try:
-                        taps = self._fill(event.tokens)
-                    except BaseException as e:
-                        event = run.throw(e)
-                        continue
-                    event = run.send(taps)
-                elif isinstance(event, PendingVerification):
-                    tic = time.perf_counter()
-                    try:
-                        verdict = self._verify(event.context, event.draft)
+                        reply = self._pass(event)
                     except BaseException as e:
                         event = run.throw(e)   # it starts over, and raises e
                         continue
-                    verdict.seconds = time.perf_counter() - tic
-                    event = run.send(verdict)
+                    event = run.send(reply)
                 else:
                     yield event
                     event = next(run)
@@ -389,6 +380,15 @@ class Engine:
             return
         finally:
             run.close()
+
+    def _pass(self, pending):
+        """The target's pass a PendingPrefill (-> taps) or PendingVerification (-> Verdict) waits for."""
+        if isinstance(pending, PendingPrefill):
+            return self._fill(pending.tokens)
+        tic = time.perf_counter()
+        verdict = self._verify(pending.context, pending.draft)
+        verdict.seconds = time.perf_counter() - tic
+        return verdict
 
     def run(self, prompt: Sequence[int], max_tokens: int = 256, stop_strings: Sequence[str] = (),
             sampling: Optional[SamplingParams] = None, seed: Optional[int] = None):

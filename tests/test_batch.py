@@ -42,23 +42,17 @@ class PerPromptScript(ScriptedDrafter):
 
 
 def batch_run(batch, requests):
-    """Run every request (prompt, kwargs) through the batch, max rows at a time, in order;
+    """Run every request (prompt, kwargs) through the batch (BatchEngine.generate_all);
     {request index: (tokens, stats)}."""
-    queue = list(enumerate(requests))
-    results, rows = {}, {}
-    while queue or batch.rows:
-        while queue and batch.idle:
-            i, (prompt, kwargs) = queue.pop(0)
-            rows[id(batch.add(prompt, **kwargs))] = i
-            results[i] = ([], None)
-        for row, event in batch.step():
-            tokens, _ = results[rows[id(row)]]
-            if event[0] == "token":
-                tokens.append(event[1])
-            elif event[0] == "done":
-                results[rows[id(row)]] = (tokens, event[1])
-            elif event[0] == "error":
-                raise event[1]
+    results = {i: ([], None) for i in range(len(requests))}
+    for i, event in batch.generate_all([dict(prompt=p, **kwargs) for p, kwargs in requests]):
+        tokens, _ = results[i]
+        if event[0] == "token":
+            tokens.append(event[1])
+        elif event[0] == "done":
+            results[i] = (tokens, event[1])
+        elif event[0] == "error":
+            raise event[1]
     return results
 
 

@@ -22,6 +22,7 @@ from typing import Optional
 from .. import __version__
 from ..api import Responses, count, sampling_and_seed, stream_generate
 from ..batch import BatchEngine
+from ..cache import common_prefix_length
 from ..errors import MlxSpecError
 from ..models.checkpoint import one_line
 from .protocol import Reply, Request, RequestError, parse, usage
@@ -163,8 +164,6 @@ class Worker(threading.Thread):
 
     def _start(self, job: Job, active: dict) -> None:
         """Add a job to the batch, on the idle engine that holds most of its prompt."""
-        from ..cache import common_prefix_length
-
         request, batch = job.request, self.batch
         engine = max(batch.idle, key=lambda e: common_prefix_length(e.cached_tokens, job.tokens))
         try:
