@@ -52,9 +52,9 @@ class Tee(Drafter):
             self.same += 1
         return draft
 
-    def commit(self, path, next_token, taps):
-        self.main.commit(path, next_token, taps)
-        self.shadow.commit(path, next_token, taps)
+    def commit(self, accepted, next_token, taps):
+        self.main.commit(accepted, next_token, taps)
+        self.shadow.commit(accepted, next_token, taps)
 
 
 def make(kind, target, path):

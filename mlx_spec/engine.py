@@ -335,7 +335,7 @@ class Engine:
         if self.policy:
             self.policy.record_verification(1 + len(verdict.drafts), verdict.seconds)
             self.policy.observe(StepOutcome(proposal.confidences, proposal.parent_nodes, kept, path))
-        self.drafter.commit(path, verdict.next_token, verdict.taps)
+        self.drafter.commit([verdict.drafts[i] for i in verdict.path], verdict.next_token, verdict.taps)
         return StepResult(len(proposal), verdict.drafts, verdict.path, verdict.next_token)
 
     def _prefill(self, context: List[int]):
@@ -442,6 +442,7 @@ class Engine:
         stats.generate_seconds = time.perf_counter() - tic
         # Drafts committed past EOS/stop/limit are dropped: the cache keeps only what is kept.
         self._roll_back(len(context) - 1)
+        self.drafter.finish(context[len(prompt):])
         yield ("done", stats)
 
     def _check(self, prompt: List[int], max_tokens: int) -> None:

@@ -199,15 +199,12 @@ class Recorder(DFlashDrafter):
                                                             (self.block_size - 1)])), self.cache)
             self.records.append((list(self.tokens), self.target.lm_head(hidden[0, 1:])))
             mx.eval(self.records[-1][1])
-        self.drafts = draft.tokens
         return draft
 
-    def commit(self, path, next_token, taps):
-        super().commit(path, next_token, taps)
-        n_accepted = len(path)
-        drafts = self.drafts.tolist() if isinstance(self.drafts, mx.array) else []
-        self.tokens += drafts[:n_accepted] + [next_token]
-        self.most_accepted = max(n_accepted, getattr(self, "most_accepted", 0))
+    def commit(self, accepted, next_token, taps):
+        super().commit(accepted, next_token, taps)
+        self.tokens += list(accepted) + [next_token]
+        self.most_accepted = max(len(accepted), getattr(self, "most_accepted", 0))
 
 
 def test_context_is_the_targets_features_of_every_committed_token(tmp_path, qwen3):

@@ -89,11 +89,15 @@ class ScriptedTreeDrafter(Drafter):
             depth = tree.depths[node]
             truth = self.reference[self.position + depth - 1] if self.position + depth - 1 < len(self.reference) else 0
             tokens.append(truth if node in tree.path_to(7) else (truth + node) % self.vocab)
+        self.tokens = tokens
         return Draft(tokens=tokens, parents=self.parents)
 
-    def commit(self, path, next_token, taps):
-        assert all(self.parents[b] == a + 1 for a, b in zip(path, path[1:]))   # root to leaf, in the tree
-        self.position += len(path) + 1
+    def commit(self, accepted, next_token, taps):
+        # root to leaf along the tree: each accepted token is a child of the one before it
+        tree, node = Tree(self.parents), 0
+        for token in accepted:
+            node = next(c for c in tree.children[node] if self.tokens[c - 1] == token)
+        self.position += len(accepted) + 1
 
 
 def test_tree_greedy_is_token_identical():
@@ -126,7 +130,7 @@ class FixedTreeDrafter(Drafter):
     def prefill(self, context, taps, start):
         self.last = context[-1]
 
-    def commit(self, path, next_token, taps):
+    def commit(self, accepted, next_token, taps):
         self.last = next_token
 
 

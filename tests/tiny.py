@@ -95,5 +95,5 @@ class ScriptedDrafter(Drafter):
         self.last = drafts
         return Draft(tokens=drafts)
 
-    def commit(self, path, next_token, taps):
-        self.position += len(path) + 1
+    def commit(self, accepted, next_token, taps):
+        self.position += len(accepted) + 1

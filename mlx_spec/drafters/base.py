@@ -76,7 +76,8 @@ class Draft:
 
 class Drafter:
     """A drafter owns its state. The engine calls bind(...) once, then prefill(context, taps,
-    start) once per generation, and per step propose(k) and commit(path, next_token, taps)."""
+    start) once per generation, per step propose(k) and commit(accepted, next_token, taps), and
+    finish(output) when the generation ends."""
 
     # Target layers whose hidden states the drafter needs (DESIGN.md tap convention).
     taps: Sequence[int] = ()
@@ -128,10 +129,14 @@ class Drafter:
         """Up to k draft tokens (a tree: up to k deep) that follow the last committed token."""
         raise NotImplementedError
 
-    def commit(self, path: List[int], next_token: int, taps: Dict[int, mx.array]) -> None:
-        """The drafts at indices `path` of the last proposal (a chain's first len(path), a
-        tree's accepted path, root to leaf) and then next_token were committed. taps hold the
-        target's hidden states at [last committed token, accepted drafts]."""
+    def commit(self, accepted: List[int], next_token: int, taps: Dict[int, mx.array]) -> None:
+        """The draft tokens `accepted` (root to leaf) and then next_token were committed. They
+        are the accepted path of the last proposal, or of another drafter's where drafters are
+        combined (suffix+eagle): a drafter keeps step with what was committed, whoever drafted
+        it. taps hold the target's hidden states at [last committed token, accepted drafts]."""
+
+    def finish(self, output: List[int]) -> None:
+        """The generation ended after committing `output` (the tokens after the prompt)."""
 
 
 class NoDrafter(Drafter):

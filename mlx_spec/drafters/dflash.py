@@ -82,7 +82,7 @@ class DFlashDrafter(Drafter):
                                                   self.target.vocab_size)
         return Draft(tokens=tokens, q=q, confidence=confidence)
 
-    def commit(self, path, next_token, taps):
+    def commit(self, accepted, next_token, taps):
         self.pending.append(self._features(taps))
         self.last_token = next_token
-        self.position += len(path) + 1
+        self.position += len(accepted) + 1

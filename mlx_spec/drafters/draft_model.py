@@ -81,12 +81,13 @@ class DraftModelDrafter(Drafter):
         self.pending = draft.tokens
         return draft
 
-    def commit(self, path, next_token, taps):
-        n_accepted = len(path)
+    def commit(self, accepted, next_token, taps):
         drafts = self.pending.tolist() if self.pending is not None else []
-        # The cache saw the context and drafts 1..k-1; what stays valid is the accepted part.
+        self.pending = None
+        # The cache saw the context and drafts 1..k-1; what stays valid is the part of them
+        # that was committed.
         fed = drafts[:-1]
-        valid = len(self.cached) + min(n_accepted, len(fed))
+        valid = len(self.cached) + common_prefix_length(fed, accepted)
         self.cached += fed
         self._roll_back(valid)
-        self.context += drafts[:n_accepted] + [next_token]
+        self.context += list(accepted) + [next_token]

@@ -59,7 +59,6 @@ class EagleDrafter(Drafter):
         self.cache = model.make_cache()
         self.paired: List[int] = []         # paired[t]: the token at cache position t (context[t+1])
         self.last_hidden = None             # the layer's output at the last position: drafts from it
-        self.pending = None                 # the last drafts (lazy until verification)
         # Committed (tokens, features) not yet run through the layer: while the policy runs plain
         # steps nothing is paid per step; the next proposal runs them all in one batch.
         self.waiting: List[tuple] = []
@@ -94,7 +93,6 @@ class EagleDrafter(Drafter):
             self._extend(context[start + 1:], self._fuse(taps))
 
     def propose(self, k):
-        self.pending = None
         if k == 0:
             return Draft()
         self._catch_up()
@@ -117,14 +115,9 @@ class EagleDrafter(Drafter):
             hidden = self.model(self.model.embed(previous[0][None]), hidden, self.cache)
             return draw()
 
-        draft = self.chain_draws(k, draw, next_draw)
-        self.pending = draft.tokens
-        return draft
+        return self.chain_draws(k, draw, next_draw)
 
-    def commit(self, path, next_token, taps):
-        drafts = self.pending if isinstance(self.pending, list) else (
-            self.pending.tolist() if self.pending is not None else [])
-        accepted = [drafts[i] for i in path]
+    def commit(self, accepted, next_token, taps):
         rollback_to(self.cache, len(self.paired))  # drop the speculative entries
         # taps cover [last committed token, accepted drafts]: each pairs with the token after it.
         self.waiting.append((accepted + [next_token], self._fuse(taps)))
@@ -179,7 +172,6 @@ class EagleDrafter(Drafter):
         order, parents = breadth_first(chosen, lambda i: pool[i][1] if pool[i][1] >= 0 else None,
                                        key=lambda i: (pool[i][2], -pool[i][3]))
         tokens = self.target_ids[mx.array([pool[node][0] for node in order])].tolist()
-        self.pending = tokens
         # Each node's probability given its parent: exp(score - the parent's score).
         confidence = [float(np.exp(pool[node][3] - (pool[pool[node][1]][3] if pool[node][1] >= 0 else 0.0)))
                       for node in order]

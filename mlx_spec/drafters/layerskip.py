@@ -83,6 +83,6 @@ class LayerSkipDrafter(Drafter):
         h = self._layers(mx.concatenate(exits, axis=1), self.exit_layer, self.target.num_layers)
         return self.target.lm_head(self.target.final_norm(h)), {}
 
-    def commit(self, path, next_token, taps):
+    def commit(self, accepted, next_token, taps):
         self.last_token, self.exits = next_token, []
-        self.position += len(path) + 1
+        self.position += len(accepted) + 1

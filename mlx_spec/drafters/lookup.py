@@ -55,6 +55,6 @@ class LookupDrafter(Drafter):
         self.pending = self.tokens[end + 1:end + 1 + k] if m else []
         return Draft(tokens=self.pending, confidence=[m / (m + 1)] * len(self.pending))
 
-    def commit(self, path, next_token, taps):
-        for t in self.pending[:len(path)] + [next_token]:
+    def commit(self, accepted, next_token, taps):
+        for t in accepted + [next_token]:
             self._append(t)

@@ -44,6 +44,6 @@ class MedusaDrafter(Drafter):
         tokens, q, confidence = self.sampler.draw(logits, positions, self.target.vocab_size)
         return Draft(tokens=tokens, q=q, confidence=confidence)
 
-    def commit(self, path, next_token, taps):
+    def commit(self, accepted, next_token, taps):
         self._keep(taps)
-        self.position += len(path) + 1
+        self.position += len(accepted) + 1
