@@ -48,11 +48,11 @@ def load(path_or_hf_repo: Optional[str] = None, draft: str = "lookup", draft_mod
          adaptive: bool = True, stop_early: bool = False, residual_sampling: bool = False,
          sessions: bool = False, ngram_max: Optional[int] = None, ngram_min: Optional[int] = None,
          tree_budget: Optional[int] = None, tree_topk: Optional[int] = None, exit_layer: Optional[int] = None,
-         **sampling):
+         suffix_memory: Optional[str] = None, **sampling):
     """(model, tokenizer): the target (default: the embedded SmolLM2-135M-Instruct) with the
     draft source `draft` (see mlx_spec.drafters.DRAFTERS; `draft_model`: its checkpoint or draft
     model, a directory or repo id), adaptive by default. The source's own options (ngram_*,
-    tree_*, exit_layer) default to its registry entry's (None: not given); one it does not read
+    tree_*, exit_layer, suffix_memory) default to its registry entry's (None: not given); one it does not read
     is refused. `sampling` (temp, top_p, top_k, min_p, seed) sets the engine's defaults, which
     each generate call may override."""
     from .drafters import DRAFTERS, draft_tokens, make_drafter, source_options, sources_reading
@@ -63,7 +63,7 @@ def load(path_or_hf_repo: Optional[str] = None, draft: str = "lookup", draft_mod
         raise MlxSpecError(f"--stop-early is for --draft {sources_reading('stop_early')}, not --draft {draft}")
     options = source_options(draft, draft_model=draft_model_path(draft, draft_model), dtype=dtype,
                              ngram_max=ngram_max, ngram_min=ngram_min, tree_budget=tree_budget,
-                             tree_topk=tree_topk, exit_layer=exit_layer)
+                             tree_topk=tree_topk, exit_layer=exit_layer, suffix_memory=suffix_memory)
     target = load_target(model_path(path_or_hf_repo, revision), dtype)
     drafter = make_drafter(draft, target, options)
     seed = sampling.pop("seed", None)

@@ -53,10 +53,18 @@ def check_speculation(cache: Sequence[Any], model_type: str, what: str = "specul
                            "(recurrent layers); use --draft none")
 
 
-def check_tree(cache: Sequence[Any], model_type: str) -> None:
+def _not_plain(cache: Sequence[Any]) -> List[str]:
+    return sorted({type(c).__name__ for c in _layers(cache) if type(c) is not KVCache})
+
+
+def holds_trees(cache: Sequence[Any]) -> bool:
     """Tree verification writes every node's K/V, then moves the accepted path's rows into
     place (tree.compact): that needs one row per position, as in a plain KVCache."""
-    kinds = sorted({type(c).__name__ for c in _layers(cache) if type(c) is not KVCache})
+    return not _not_plain(cache)
+
+
+def check_tree(cache: Sequence[Any], model_type: str) -> None:
+    kinds = _not_plain(cache)
     if kinds:
         raise MlxSpecError(f"tree drafts need a plain KV cache; this {model_type} model uses "
                            f"{', '.join(kinds)}: draft a chain (no --tree-budget)")

@@ -127,13 +127,18 @@ def test_no_shipped_drafter_for_another_model(target, tmp_path):
                      {})
 
 
-@pytest.mark.parametrize("method,options", [("lookup", {}), ("model", {}), ("eagle", {}),
-                                            ("eagle", {"tree_budget": 8, "tree_topk": 3}),
-                                            ("dflash", {}), ("ddtree", {}), ("mtp", {}), ("medusa", {}),
-                                            ("medusa", {"tree_budget": 8, "tree_topk": 3}),
-                                            ("layerskip", {"exit_layer": 20})],
-                         ids=["lookup", "model", "eagle", "eagle-tree", "dflash", "ddtree", "mtp", "medusa",
-                              "medusa-tree", "layerskip"])
+# lookup, eagle, dflash and suffix+eagle in the default suite; the others (tests/test_seeded.py
+# checks every source on tiny models) are `slow`.
+@pytest.mark.parametrize("method,options", [
+    ("lookup", {}), pytest.param("model", {}, marks=pytest.mark.slow), ("eagle", {}),
+    pytest.param("eagle", {"tree_budget": 8, "tree_topk": 3}, marks=pytest.mark.slow),
+    ("dflash", {}), pytest.param("ddtree", {}, marks=pytest.mark.slow), pytest.param("mtp", {}, marks=pytest.mark.slow),
+    pytest.param("medusa", {}, marks=pytest.mark.slow),
+    pytest.param("medusa", {"tree_budget": 8, "tree_topk": 3}, marks=pytest.mark.slow),
+    pytest.param("layerskip", {"exit_layer": 20}, marks=pytest.mark.slow),
+    pytest.param("suffix", {"suffix_memory": "off"}, marks=pytest.mark.slow), ("suffix+eagle", {"suffix_memory": "off"})],
+    ids=["lookup", "model", "eagle", "eagle-tree", "dflash", "ddtree", "mtp", "medusa", "medusa-tree", "layerskip",
+         "suffix", "suffix+eagle"])
 def test_seed_reproduces_sampled_text_whatever_the_source(target, method, options):
     """--seed S prints what --draft none --seed S prints, with one draft per step and with many."""
     params = SamplingParams(temp=0.8, top_p=0.9, top_k=50)

@@ -8,6 +8,7 @@ from tiny import tiny_target
 from mlx_spec.drafters.base import Draft
 from mlx_spec.drafters.draft_model import DraftModelDrafter
 from mlx_spec.drafters.lookup import LookupDrafter
+from mlx_spec.drafters.suffix import SuffixDrafter
 from mlx_spec.engine import Engine
 from mlx_spec.sampling import SamplingParams, probs
 
@@ -55,15 +56,27 @@ TEMP_1 = SamplingParams(temp=1.0)
 FILTERED = SamplingParams(temp=0.7, top_k=6, top_p=0.95)
 CASES = {
     "lookup": (TEMP_1, lambda target, params: LookupDrafter()),
+    "suffix-tree": (TEMP_1, lambda target, params: SuffixDrafter(8, None)),
     "model-different": (TEMP_1, lambda target, params: DraftModelDrafter(harness_model(12), VOCAB)),
     "model-identical": (TEMP_1, lambda target, params: DraftModelDrafter(target, VOCAB)),
     "model-different-filtered": (FILTERED, lambda target, params: DraftModelDrafter(harness_model(12), VOCAB)),
 }
 
 
-@pytest.mark.parametrize("case,residual,adaptive", [(case, False, False) for case in CASES] +
-                         [("model-different", True, False), ("model-different-filtered", True, False),
-                          ("model-different", False, True)])
+# `slow` (a minute or more each): what another case covers with the same rule (the identical
+# model: the different one; the residual rule unfiltered: filtered; suffix's seeded rule: the
+# residual rule, and test_tree's seeded one-hot trees).
+SLOW_CASES = {("model-identical", False), ("model-different", True), ("suffix-tree", False)}
+
+
+RUNS = [(case, False, False) for case in CASES] + [
+    ("model-different", True, False), ("model-different-filtered", True, False), ("suffix-tree", True, False),
+    ("model-different", False, True)]
+
+
+@pytest.mark.parametrize("case,residual,adaptive", [
+    pytest.param(case, residual, adaptive, marks=pytest.mark.slow if (case, residual) in SLOW_CASES else ())
+    for case, residual, adaptive in RUNS])
 def test_exact_sampling(setup, case, residual, adaptive):
     """Every draft verified (fixed length), or as many as the draft-length policy chooses."""
     target, prompt = setup
@@ -75,8 +88,8 @@ def test_exact_sampling(setup, case, residual, adaptive):
 
 
 # The classic bug is far off (p must be tiny); the subtle one must at least fail the tests.
-@pytest.mark.parametrize("broken,below", [(ArgmaxWithSoftmaxQ, 1e-6), (SlightlyWrongQ, STRICT)],
-                         ids=["argmax-softmax-q", "q-10%-off"])
+@pytest.mark.parametrize("broken,below", [pytest.param(ArgmaxWithSoftmaxQ, 1e-6, marks=pytest.mark.slow),
+                                          (SlightlyWrongQ, STRICT)], ids=["argmax-softmax-q", "q-10%-off"])
 def test_harness_catches_a_broken_rule(setup, broken, below):
     target, prompt = setup
     params = SamplingParams(temp=1.0)

@@ -10,7 +10,9 @@ from tiny import run, tiny_target
 from mlx_spec.drafters.dflash import DFlashDrafter
 from mlx_spec.drafters.draft_model import DraftModelDrafter
 from mlx_spec.drafters.eagle import EagleDrafter
+from mlx_spec.drafters.combined import SuffixPlus
 from mlx_spec.drafters.lookup import LookupDrafter
+from mlx_spec.drafters.suffix import SuffixDrafter
 from mlx_spec.engine import Engine
 from mlx_spec.models.eagle3 import load_eagle3
 from mlx_spec.sampling import SamplingParams
@@ -36,11 +38,13 @@ def sources(target, tmp_path_factory):
         "eagle": lambda: EagleDrafter(load_eagle3(eagle, target), vocab),
         "eagle-tree": lambda: EagleDrafter(load_eagle3(eagle, target), vocab, tree_budget=6, tree_topk=2),
         "dflash": lambda: DFlashDrafter(target, dflash),
+        "suffix": lambda: SuffixDrafter(8, None),
+        "suffix+eagle": lambda: SuffixPlus(SuffixDrafter(8, None), EagleDrafter(load_eagle3(eagle, target), vocab), 4),
     }
 
 
 @pytest.mark.parametrize("params", SETTINGS, ids=["t0.7", "t1.0"])
-@pytest.mark.parametrize("source", ["lookup", "model", "eagle", "eagle-tree", "dflash"])
+@pytest.mark.parametrize("source", ["lookup", "model", "eagle", "eagle-tree", "dflash", "suffix", "suffix+eagle"])
 def test_same_seed_same_tokens_whatever_the_source(target, sources, source, params):
     prompt = repeated_prompt(14)
     plain = run(Engine(target, sampling=params, seed=7), prompt, MAX_TOKENS)[0]

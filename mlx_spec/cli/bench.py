@@ -27,6 +27,9 @@ from .common import echo_err, reports_errors, source_defaults
               help=f"Children per expanded node (eagle), candidates per position: {source_defaults('tree_topk')}.")
 @click.option("--exit-layer", type=int, default=None,
               help="layerskip: the target's first E layers (then its norm and head) draft.")
+@click.option("--suffix-memory", default="off", show_default=True,
+              help="suffix and suffix+X: a file of earlier outputs, searched as it was before the run (every "
+                   "repeat sees the same memory) and fed the run's outputs at its end; off: no memory.")
 @click.option("--max-tokens", "-m", type=click.IntRange(1), default=128, show_default=True,
               help="Most tokens generated per prompt (and per turn).")
 @click.option("--repeats", type=click.IntRange(1), default=3, show_default=True,
@@ -50,7 +53,7 @@ from .common import echo_err, reports_errors, source_defaults
 @click.option("--plot", "plot_path", default=None, help="Write a PNG plot here (needs matplotlib).")
 @reports_errors
 def bench(model_path, revision, dtype, prompts, categories, methods, draft_models, num_draft_tokens,
-          tree_budget, tree_topk, exit_layer, max_tokens, repeats, concurrency, temp, top_p, seed, stop_early, adaptive,
+          tree_budget, tree_topk, exit_layer, suffix_memory, max_tokens, repeats, concurrency, temp, top_p, seed, stop_early, adaptive,
           residual, json_path, markdown_path, plot_path):
     """Time draft methods side by side with plain mlx_lm.stream_generate (--concurrency N: several
     prompts at once, batched, against mlx-lm's batched generation)."""
@@ -62,6 +65,7 @@ def bench(model_path, revision, dtype, prompts, categories, methods, draft_model
     from ..errors import MlxSpecError
     from ..models.target import load_target
     from ..sampling import SamplingParams
+    from ..suffix_memory import SuffixMemory, vocabulary_hash
 
     # Check what would only fail after the whole run: where the results go, matplotlib.
     for out in (json_path, markdown_path, plot_path):
@@ -83,10 +87,13 @@ def bench(model_path, revision, dtype, prompts, categories, methods, draft_model
     items = harness.load_prompts(prompts, categories)
     target = load_target(resolve_model(model_path, revision), dtype)
     sampling = SamplingParams(temp=temp, top_p=top_p).check(target.vocab_size)
+    memory = None if suffix_memory == "off" else SuffixMemory(
+        Path(suffix_memory).expanduser(), vocabulary_hash(target.tokenizer), learn_now=False)
     engines, lengths = {}, {}
     for name in names:
         lengths[name] = draft_tokens(name, num_draft_tokens)
-        given = dict(tree_budget=tree_budget, tree_topk=tree_topk, exit_layer=exit_layer)   # to the sources that read them
+        given = dict(tree_budget=tree_budget, tree_topk=tree_topk, exit_layer=exit_layer,   # to the sources that read them
+                     suffix_memory=memory if memory is not None else "off")
         drafter = make_drafter(name, target, source_options(
             name, draft_model=draft_model_path(name, paths.get(name)), dtype=dtype,
             **{k: v for k, v in given.items() if k in DRAFTERS[name].options.names()}))
@@ -103,12 +110,15 @@ def bench(model_path, revision, dtype, prompts, categories, methods, draft_model
         else:
             records = harness.run_bench(target, engines, items, max_tokens, repeats, sampling, seed,
                                         progress=bar.update, residual=residual)
+    if memory is not None:
+        memory.save()
     rows = harness.summarize(records)
     meta = harness.machine_info(target, {name: drafter_used(name, target, paths.get(name)) for name in names})
     meta.update(max_tokens=max_tokens, repeats=repeats, temp=temp, num_draft_tokens=lengths,
                 concurrency=concurrency or None,
                 sampling_rule="residual" if residual else "seeded", adaptive=adaptive, stop_early=stop_early,
-                tree_budget=tree_budget, tree_topk=tree_topk, exit_layer=exit_layer)
+                tree_budget=tree_budget, tree_topk=tree_topk, exit_layer=exit_layer,
+                suffix_memory=suffix_memory if memory is not None else None)
     click.echo(harness.render_table(rows))
     if json_path:
         harness.write_json(json_path, meta, rows, records)

@@ -56,6 +56,9 @@ def model_options(f):
         click.option("--tree-topk", type=click.IntRange(1, 64), default=None,
                      help=f"Children per expanded node (eagle), candidates per position: "
                           f"{source_defaults('tree_topk')}. --num-draft-tokens is the tree's depth."),
+        click.option("--suffix-memory", default=None,
+                     help=f"{sources_reading('suffix_memory').replace('|', ', ')}: the file of earlier outputs "
+                          "searched and fed (default: one per model under ~/.cache/mlx-spec/suffix-memory), or off."),
         click.option("--exit-layer", type=int, default=None,
                      help="layerskip: the target's first E layers (then its norm and head) draft."),
         click.option("--temp", type=float, default=0.0, show_default=True, help="Sampling temperature."),

@@ -56,6 +56,17 @@ class MedusaOptions(CheckpointOptions):
 
 
 @dataclass(frozen=True)
+class SuffixOptions(SourceOptions):
+    tree_budget: int = 16                # the most nodes of a draft tree; 0: a chain
+    suffix_memory: Optional[str] = None  # the memory of earlier outputs: a file, "off"; None: the model's
+
+
+@dataclass(frozen=True)
+class SuffixPlusOptions(SuffixOptions):
+    draft_model: Optional[str] = None    # the learned drafter's checkpoint
+
+
+@dataclass(frozen=True)
 class LayerSkipOptions(SourceOptions):
     exit_layer: Optional[int] = None    # the target's first E layers draft (required)
 
@@ -68,6 +79,28 @@ def _lookup(target, options: LookupOptions):
     from .lookup import LookupDrafter
 
     return LookupDrafter(ngram_max=options.ngram_max, ngram_min=options.ngram_min)
+
+
+def _suffix(target, options: SuffixOptions):
+    from ..cache import holds_trees, make_cache
+    from ..suffix_memory import open_memory
+    from .suffix import SuffixDrafter
+
+    # Trees where the target's cache holds them; a chain of the tree's best path elsewhere.
+    return SuffixDrafter(options.tree_budget, open_memory(target, options.suffix_memory),
+                         tree=holds_trees(make_cache(target.model)))
+
+
+def _suffix_plus(learned: str):
+    """suffix+`learned`: a suffix drafter beside the learned source's (drafters/combined.py)."""
+    def make(target, options: SuffixPlusOptions):
+        from .combined import SuffixPlus
+
+        source = DRAFTERS[learned]
+        learned_options = source.options(draft_model=options.draft_model, dtype=options.dtype)
+        return SuffixPlus(_suffix(target, options), source.make(target, learned_options),
+                          source.default_draft_tokens)
+    return make
 
 
 def _draft_model(target, options: CheckpointOptions):
@@ -158,6 +191,8 @@ class Source:
 DRAFTERS = {
     "none": Source(_none, 0, "plain decoding through the same loop"),
     "lookup": Source(_lookup, 10, "n-grams of the prompt and output", LookupOptions),
+    "suffix": Source(_suffix, 12, "a tree of what followed the context's suffix, in the prompt, the output "
+                     "and earlier outputs (--suffix-memory)", SuffixOptions),
     "model": Source(_draft_model, 3, "a small model with the same tokenizer (--draft-model)", CheckpointOptions,
                     stops_early=True),
     "dflash": Source(_dflash, 8, "DFlash block drafter", CheckpointOptions),
@@ -168,6 +203,9 @@ DRAFTERS = {
     "mtp": Source(_mtp, 3, "the target's multi-token-prediction module (DeepSeek, GLM, MiMo, Qwen3-Next)",
                   CheckpointOptions, stops_early=True),
 }
+DRAFTERS.update({f"suffix+{learned}": Source(_suffix_plus(learned), 12, f"suffix, and {learned} where the suffix "
+                                             "match is weak", SuffixPlusOptions, stops_early=learned != "dflash")
+                 for learned in ("eagle", "mtp", "dflash")})
 
 
 def check_method(method: str) -> str:
@@ -195,7 +233,7 @@ def source_options(method: str, **given) -> SourceOptions:
     known = set().union(*(s.options.names() for s in DRAFTERS.values()))
     for name, value in given.items():
         if value is not None and name in known and name not in source.options.names():
-            chain = ", which drafts a chain" if name.startswith("tree_") else ""
+            chain = ", which drafts a chain" if name.startswith("tree_") and "tree_budget" not in source.options.names() else ""
             raise MlxSpecError(f"--{name.replace('_', '-')} is for --draft {sources_reading(name)}, "
                                f"not --draft {method}{chain}")
     return source.options(**{k: v for k, v in given.items()

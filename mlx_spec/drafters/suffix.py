@@ -1,0 +1,130 @@
+"""Suffix decoding (SuffixDecoding, arXiv 2411.04975): draft what followed the earlier
+occurrences of the context's last tokens, in this generation's prompt and output and in a
+memory of earlier outputs that persists across runs (suffix_memory.py), as a tree.
+
+Each step finds the longest recent suffix (of MATCH_LENGTHS) that occurred before, in each of
+the two places; the continuations of its most recent occurrences, counted in a trie, give each
+next token an empirical probability (count / (occurrences + 1): one occurrence is a guess,
+many that agree are near certain). The draft is the tree of the continuations with the
+largest products of those probabilities, each token at least MIN_PROBABILITY, at most
+FACTOR x the match length nodes (a short match is weak evidence) and --tree-budget, up to the
+step's depth; of the two places' trees the one expected to commit more is drafted. Where trees
+are not verified (--tree-budget 0, a recurrent target) the tree's most probable path is drafted
+as a chain. Drafts are deterministic, so every sampling rule stays exact; each node's
+probability is its confidence, which the policy calibrates like any source's."""
+
+import heapq
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from ..suffix_memory import MATCH_LENGTHS, MAX_OCCURRENCES
+from ..tree import breadth_first
+from .base import Draft, Drafter
+
+FACTOR = 4              # the most nodes per matched token
+MIN_PROBABILITY = 0.1   # a token's probability given its parent, below which it is not drafted
+
+
+class ContextIndex:
+    """The end positions of every n-gram (n in MATCH_LENGTHS) of one generation's tokens,
+    updated in O(len(MATCH_LENGTHS)) per token."""
+
+    def __init__(self):
+        self.tokens: List[int] = []
+        self.ends: Dict[Tuple[int, ...], List[int]] = {}
+
+    def append(self, token: int) -> None:
+        self.tokens.append(token)
+        end = len(self.tokens) - 1
+        for n in MATCH_LENGTHS:
+            if n > end + 1:
+                break
+            self.ends.setdefault(tuple(self.tokens[end + 1 - n:]), []).append(end)
+
+    def continuations(self, depth: int) -> Tuple[int, List[List[int]]]:
+        """As SuffixMemory.continuations, for the tokens' own last n-gram (its last
+        occurrence, the current one, has nothing after it yet)."""
+        for n in reversed(MATCH_LENGTHS):
+            if n <= len(self.tokens):
+                ends = self.ends[tuple(self.tokens[-n:])]
+                if len(ends) > 1:
+                    return n, [self.tokens[e + 1:e + 1 + depth] for e in reversed(ends[-1 - MAX_OCCURRENCES:-1])]
+        return 0, []
+
+
+def best_tree(continuations: Sequence[Sequence[int]], match_length: int, depth: int, budget: int,
+              chain: bool) -> Tuple[Draft, float]:
+    """The draft tree of the continuations (see the module's docstring) and its expected
+    accepted length (the sum of its nodes' path probabilities, if they were true)."""
+    root: dict = {}   # token -> [count, children]
+    for continuation in continuations:
+        node = root
+        for token in continuation[:depth]:
+            entry = node.setdefault(token, [0, {}])
+            entry[0] += 1
+            node = entry[1]
+    size = min(budget, FACTOR * match_length)
+    # Best-first by path probability: a child never beats its parent, so parents come first.
+    chosen = []   # (path probability, its probability, token, depth, parent index or None, children)
+    heap = []
+
+    def offer(children: dict, path: float, level: int, parent: Optional[int]) -> None:
+        total = sum(count for count, _ in children.values()) + 1
+        for token, (count, grandchildren) in children.items():
+            p = count / total
+            if p >= MIN_PROBABILITY:
+                heapq.heappush(heap, (-path * p, level, len(chosen), token, p, parent, grandchildren))
+
+    offer(root, 1.0, 1, None)
+    while heap and len(chosen) < size:
+        neg, level, _, token, p, parent, children = heapq.heappop(heap)
+        if chain:
+            heap = []   # the best child only
+        chosen.append((-neg, p, token, level, parent))
+        if level < depth:
+            offer(children, -neg, level + 1, len(chosen) - 1)
+    if not chosen:
+        return Draft(), 0.0
+    order, parents = breadth_first(range(len(chosen)), lambda i: chosen[i][4],
+                                   key=lambda i: (chosen[i][3], -chosen[i][0], i))
+    draft = Draft(tokens=[chosen[i][2] for i in order], parents=None if chain else parents,
+                  confidence=[chosen[i][1] for i in order])
+    return draft, sum(c[0] for c in chosen)
+
+
+class SuffixDrafter(Drafter):
+    shared = ("memory",)
+
+    def __init__(self, tree_budget: int = 16, memory=None, tree: bool = True):
+        """memory: a SuffixMemory (None: this generation's tokens only); tree False: chains."""
+        self.budget, self.memory = tree_budget, memory
+        self.tree = tree and tree_budget > 0
+        self.index = ContextIndex()
+
+    def prefill(self, context, taps, start):
+        self.index = ContextIndex()
+        for token in context:
+            self.index.append(token)
+
+    def propose(self, k):
+        if k <= 0:
+            return Draft()
+        candidates = [self.index.continuations(k)]
+        if self.memory is not None:
+            candidates.append(self.memory.continuations(self.index.tokens, k))
+        best, expected = Draft(), 0.0
+        for match_length, continuations in candidates:
+            if match_length:
+                draft, value = best_tree(continuations, match_length, k,
+                                         self.budget if self.tree else k, chain=not self.tree)
+                if value > expected:
+                    best, expected = draft, value
+        return best
+
+    def commit(self, accepted, next_token, taps):
+        for token in list(accepted) + [next_token]:
+            self.index.append(token)
+
+    def finish(self, output):
+        if self.memory is not None:
+            self.memory.add(output)
+            self.memory.save()
