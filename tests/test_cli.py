@@ -97,7 +97,7 @@ def bad_dirs(tmp_path_factory):
     (["--temp", "-1"], ["--temp"]),
     (["--bogus-flag"], ["No such option"]),
     (["--draft-model", "/nonexistent"], ["--draft-model is for --draft", "not --draft lookup"]),
-    (["--tree-budget", "8"], ["--tree-budget is for --draft ddtree|eagle|medusa, not --draft lookup"]),
+    (["--tree-budget", "8"], ["--tree-budget is for --draft", "suffix|ddtree|eagle|medusa", "not --draft lookup"]),
     (["--draft", "mtp", "--tree-budget", "4"], ["--tree-budget is for --draft", "not --draft mtp"]),
     (["--draft", "eagle", "--ngram-max", "4"], ["--ngram-max is for --draft lookup, not --draft eagle"]),
     (["--draft", "none", "--exit-layer", "4"], ["--exit-layer is for --draft layerskip"]),
