@@ -90,7 +90,8 @@ def main():
     for item in first:
         answer(filler, target.tokenizer, item["turns"], args.max_tokens)
     memory = SuffixMemory(memory_file, vocabulary, learn_now=False)
-    print(f"memory after the first set: {len(memory)} tokens of {len(memory.outputs)} outputs", file=sys.stderr)
+    memory_tokens = len(memory)   # before the timed run, which adds its outputs to the file
+    print(f"memory after the first set: {memory_tokens} tokens of {len(memory.outputs)} outputs", file=sys.stderr)
 
     drafters = {"lookup": (LookupDrafter(), 10, True), "suffix": (SuffixDrafter(16, memory), 12, True),
                 "suffix, no memory": (SuffixDrafter(16, None), 12, True)}
@@ -105,7 +106,7 @@ def main():
     print(harness.render_table(rows))
     meta = harness.machine_info(target, {})
     meta.update(max_tokens=args.max_tokens, repeats=args.repeats, temp=args.temp, workloads=args.workloads,
-                memory_tokens=len(memory), peer="rapid-mlx " + _version("rapid-mlx"),
+                memory_tokens=memory_tokens, peer="rapid-mlx " + _version("rapid-mlx"),
                 note="second set of each workload, timed; the first set filled the suffix memory")
     if args.json_path:
         harness.write_json(args.json_path, meta, rows, records)

@@ -33,10 +33,14 @@ def test_the_index_finds_what_followed_the_longest_suffix():
 def test_the_tree_takes_the_most_probable_continuations():
     continuations = [[5, 6], [5, 6], [5, 7], [8], [5, 6]]
     draft, expected = best_tree(continuations, match_length=4, depth=2, budget=16, chain=False)
-    # counts / (occurrences + 1): 5 -> 4/6, 8 -> 1/6; after 5: 6 -> 3/5, 7 -> 1/5
+    # counts / (occurrences + 1/m), m the tokens matched: 5 -> 4/5.25, 8 -> 1/5.25;
+    # after 5 (matched over 5 tokens): 6 -> 3/4.2, 7 -> 1/4.2
     assert draft.tokens == [5, 8, 6, 7] and draft.parents == [0, 0, 1, 1]
-    assert draft.confidence == pytest.approx([4 / 6, 1 / 6, 3 / 5, 1 / 5])
-    assert expected == pytest.approx(4 / 6 + 1 / 6 + 4 / 6 * 3 / 5 + 4 / 6 * 1 / 5)
+    assert draft.confidence == pytest.approx([4 / 5.25, 1 / 5.25, 3 / 4.2, 1 / 4.2])
+    assert expected == pytest.approx(4 / 5.25 + 1 / 5.25 + 4 / 5.25 * 3 / 4.2 + 4 / 5.25 * 1 / 4.2)
+    # one occurrence is rated as prompt lookup rates a match of the same length
+    assert best_tree([[5, 6]], match_length=3, depth=2, budget=16, chain=True)[0].confidence == \
+        pytest.approx([3 / 4, 4 / 5])
     chain, _ = best_tree(continuations, match_length=4, depth=2, budget=16, chain=True)
     assert chain.tokens == [5, 6] and chain.parents is None
     # a short match drafts at most FACTOR nodes per matched token; the budget and depth bound it too

@@ -4,8 +4,9 @@ memory of earlier outputs that persists across runs (suffix_memory.py), as a tre
 
 Each step finds the longest recent suffix (of MATCH_LENGTHS) that occurred before, in each of
 the two places; the continuations of its most recent occurrences, counted in a trie, give each
-next token an empirical probability (count / (occurrences + 1): one occurrence is a guess,
-many that agree are near certain). The draft is the tree of the continuations with the
+next token an empirical probability, count / (occurrences + 1/m) for a node whose path agrees
+with the context over m tokens: many occurrences that agree are near certain, and one is worth
+m / (m + 1), as prompt lookup rates a match (a long match is likely copied text). The draft is the tree of the continuations with the
 largest products of those probabilities, each token at least MIN_PROBABILITY, at most
 FACTOR x the match length nodes (a short match is weak evidence) and --tree-budget, up to the
 step's depth; of the two places' trees the one expected to commit more is drafted. Where trees
@@ -68,7 +69,7 @@ def best_tree(continuations: Sequence[Sequence[int]], match_length: int, depth: 
     heap = []
 
     def offer(children: dict, path: float, level: int, parent: Optional[int]) -> None:
-        total = sum(count for count, _ in children.values()) + 1
+        total = sum(count for count, _ in children.values()) + 1 / (match_length + level - 1)
         for token, (count, grandchildren) in children.items():
             p = count / total
             if p >= MIN_PROBABILITY:
