@@ -6,10 +6,10 @@ Each step finds the longest recent suffix (of MATCH_LENGTHS) that occurred befor
 the two places; the continuations of its most recent occurrences, counted in a trie, give each
 next token an empirical probability, count / (occurrences + 1/m) for a node whose path agrees
 with the context over m tokens: many occurrences that agree are near certain, and one is worth
-m / (m + 1), as prompt lookup rates a match (a long match is likely copied text). The draft is the tree of the continuations with the
-largest products of those probabilities, each token at least MIN_PROBABILITY, at most
-FACTOR x the match length nodes (a short match is weak evidence) and --tree-budget, up to the
-step's depth; of the two places' trees the one expected to commit more is drafted. Where trees
+m / (m + 1), as prompt lookup rates a match (a long match is likely copied text). The draft is
+the tree of the continuations with the largest products of those probabilities, each token at
+least MIN_PROBABILITY, at most FACTOR x the match length nodes (a short match is weak
+evidence) and --tree-budget, up to the step's depth; of the two places' trees the one expected to commit more is drafted. Where trees
 are not verified (--tree-budget 0, a recurrent target) the tree's most probable path is drafted
 as a chain. Drafts are deterministic, so every sampling rule stays exact; each node's
 probability is its confidence, which the policy calibrates like any source's."""
