@@ -46,6 +46,42 @@ def data(model_path, out_dir, limit, max_tokens, batch_size, temp, dtype, seed):
                  "and none of these fell in it (use more prompts, or a larger --limit)")
 
 
+@train.command("vocab", short_help="Give a drafter a reduced draft vocabulary (the most frequent answer tokens).")
+@click.option("--data", "data_dir", required=True, help="Training data directory (`train data`): its answers are counted.")
+@click.option("--drafter", "drafter_dir", required=True,
+              help="Drafter directory (MTP, Medusa, DFlash); draft_vocab.safetensors is written there.")
+@click.option("--size", type=click.IntRange(1), default=8192, show_default=True,
+              help="Tokens in the draft vocabulary.")
+@click.option("--vocab-size", type=click.IntRange(1), default=None,
+              help="The target's vocabulary size (default: read from the drafter's config.json).")
+@reports_errors
+def vocab(data_dir, drafter_dir, size, vocab_size):
+    """Write DRAFTER/draft_vocab.safetensors: the --size target ids most frequent in the training
+    answers. The drafter's head then covers those rows only (a draft costs less; tokens outside
+    it are never drafted, output stays exact). Delete the file to draft over the whole
+    vocabulary again."""
+    import numpy as np
+
+    from ..errors import MlxSpecError
+    from ..models import vocabulary
+    from ..models.checkpoint import read_config
+    from ..train.data import read_split
+
+    answers = [row["response_tokens"] for row in read_split(data_dir, "train")]
+    if not answers:
+        raise MlxSpecError(f"no answers in {data_dir}/train.jsonl: run `mlx-spec train data --out {data_dir}` first")
+    if vocab_size is None:
+        config = read_config(drafter_dir, "drafter")
+        vocab_size = config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
+        if not vocab_size:
+            raise MlxSpecError(f"{drafter_dir}/config.json has no vocab_size: pass --vocab-size")
+    ids = vocabulary.frequent_ids(answers, int(vocab_size), size)
+    seen = sum(len(a) for a in answers)
+    covered = sum(int(np.isin(a, ids).sum()) for a in answers)
+    path = vocabulary.write(drafter_dir, ids)
+    echo_err(f"{len(ids)} of {vocab_size} tokens cover {covered / seen:.2%} of {seen} answer tokens -> {path}")
+
+
 def _int_list(ctx, param, value):
     if value is None:
         return None

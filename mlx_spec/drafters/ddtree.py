@@ -42,16 +42,18 @@ def best_tree(log_probs: Sequence[Sequence[Tuple[int, float]]], budget: int):
 
 
 def tree_from_logits(logits: mx.array, positions: Sequence[int], sampler, vocab_size: int, topk: int,
-                     budget: int) -> Draft:
-    """A budgeted tree from independent logits [n, V] for the given positions (a DFlash block,
-    Medusa heads), built from Sampler.tree_log_probs."""
-    log_q = sampler.tree_log_probs(logits, positions, vocab_size)
+                     budget: int, ids: mx.array = None) -> Draft:
+    """A budgeted tree from independent logits [n, w] for the given positions (a DFlash block,
+    Medusa heads), built from Sampler.tree_log_probs; ids[j] is the target id of column j
+    (None: column j is id j)."""
+    log_q = sampler.tree_log_probs(logits, positions, vocab_size, ids=ids)
     topk = min(topk, log_q.shape[-1])
-    ids = mx.argpartition(-log_q, kth=topk - 1, axis=-1)[:, :topk]
-    values = mx.take_along_axis(log_q, ids, axis=-1)
+    columns = mx.argpartition(-log_q, kth=topk - 1, axis=-1)[:, :topk]
+    values = mx.take_along_axis(log_q, columns, axis=-1)
+    tokens = columns if ids is None else ids[columns]
     candidates: List[List[Tuple[int, float]]] = [
         sorted(((t, v) for t, v in zip(row_ids, row_values) if v > -np.inf), key=lambda c: -c[1])
-        for row_ids, row_values in zip(ids.tolist(), values.tolist())]
+        for row_ids, row_values in zip(tokens.tolist(), values.tolist())]
     tokens, parents, confidence = best_tree(candidates, budget)
     return Draft(tokens=tokens, parents=parents, confidence=confidence, levels=len(candidates))
 
@@ -68,4 +70,4 @@ class DDTreeDrafter(DFlashDrafter):
         if n <= 0:
             return Draft()
         return tree_from_logits(self.block_logits(n), range(self.position, self.position + n), self.sampler,
-                                self.target.vocab_size, self.topk, self.budget)
+                                self.target.vocab_size, self.topk, self.budget, ids=self.model.draft_ids)

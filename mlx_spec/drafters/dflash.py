@@ -65,13 +65,13 @@ class DFlashDrafter(Drafter):
         self.position = len(context)
 
     def block_logits(self, n: int) -> mx.array:
-        """The drafter's logits [n, V] for the next n positions (lazy)."""
+        """The drafter's logits [n, draft vocabulary] for the next n positions (lazy)."""
         self._append_pending()
         block = mx.array([[self.last_token] + [self.mask_token_id] * (self.block_size - 1)])
         # The whole block is always run (its attention is bidirectional, so a shorter block
         # would change every prediction); only the first n positions go through the head.
-        hidden = self.model(self.target.embed(block), self.cache)
-        return self.target.lm_head(hidden[0, 1:n + 1])
+        hidden = self.model(self.target.embed(block), self.cache)[0, 1:n + 1]
+        return self.target.lm_head(hidden) if self.model.rows is None else self.model.rows(hidden)
 
     def propose(self, k):
         n = min(k, self.block_size - 1)
@@ -79,7 +79,7 @@ class DFlashDrafter(Drafter):
             return Draft()
         logits = self.block_logits(n)
         tokens, q, confidence = self.sampler.draw(logits, range(self.position, self.position + n),
-                                                  self.target.vocab_size)
+                                                  self.target.vocab_size, ids=self.model.draft_ids)
         return Draft(tokens=tokens, q=q, confidence=confidence)
 
     def commit(self, accepted, next_token, taps):

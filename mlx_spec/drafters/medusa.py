@@ -40,8 +40,8 @@ class MedusaDrafter(Drafter):
         positions = range(self.position, self.position + n)
         if self.tree:
             return tree_from_logits(logits, positions, self.sampler, self.target.vocab_size, self.tree_topk,
-                                    self.tree_budget)
-        tokens, q, confidence = self.sampler.draw(logits, positions, self.target.vocab_size)
+                                    self.tree_budget, ids=self.model.draft_ids)
+        tokens, q, confidence = self.sampler.draw(logits, positions, self.target.vocab_size, ids=self.model.draft_ids)
         return Draft(tokens=tokens, q=q, confidence=confidence)
 
     def commit(self, accepted, next_token, taps):

@@ -107,11 +107,15 @@ def quantize_as_stored(model, config: dict, weights: dict) -> None:
                     class_predicate=lambda name, module: f"{name}.scales" in weights)
 
 
+# A drafter's reduced vocabulary (models/vocabulary.py), kept next to its weights, not among them.
+DRAFT_VOCABULARY = "draft_vocab.safetensors"
+
+
 def read_weights(path) -> dict:
-    """Every tensor of the directory's *.safetensors files."""
+    """Every tensor of the directory's *.safetensors files (but a draft vocabulary)."""
     path = Path(path)
     check_not_pickled(path)
-    files = sorted(path.glob("*.safetensors"))
+    files = sorted(f for f in path.glob("*.safetensors") if f.name != DRAFT_VOCABULARY)
     if not files:
         raise MlxSpecError(f"no *.safetensors weights in {path}")
     weights = {}

@@ -22,6 +22,7 @@ from mlx_lm.models.qwen3 import MLP
 from mlx_lm.models.rope_utils import initialize_rope
 
 from ..errors import MlxSpecError
+from . import vocabulary
 from .checkpoint import check_not_pickled, one_line, quantize_as_stored, read_config, read_weights
 
 ARCHITECTURE = "DFlashDraftModel"
@@ -130,6 +131,8 @@ class DecoderLayer(nn.Module):
 
 
 class DFlashModel(nn.Module):
+    rows = None   # vocabulary.OutputRows of a reduced draft vocabulary; None: the target's lm_head
+
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.args = args
@@ -143,6 +146,14 @@ class DFlashModel(nn.Module):
         self.norm = nn.RMSNorm(H, eps=args.rms_norm_eps)
         self.rope = initialize_rope(args.head_dim, args.rope_theta, False, args.rope_scaling,
                                     args.max_position_embeddings)
+
+    def use_vocabulary(self, ids, target) -> None:
+        """Draft over the target ids `ids` only, with those rows of the target's output layer."""
+        self.rows = vocabulary.OutputRows([target.output_layer], ids)
+
+    @property
+    def draft_ids(self) -> Optional[mx.array]:
+        return None if self.rows is None else self.rows.ids
 
     def make_cache(self) -> List[KVCache]:
         """One context K/V cache per layer: chunk-grown, rolled back by offset."""
@@ -216,4 +227,7 @@ def load_dflash(path, target) -> DFlashModel:
     # Compute in the dtype of the target's hidden states (bf16 checkpoints on an fp32 CPU target).
     model.set_dtype(target.embed(mx.array([0])).dtype)
     mx.eval(model.parameters())
+    ids = vocabulary.read(path, target.vocab_size)
+    if ids is not None:
+        model.use_vocabulary(ids, target)
     return model

@@ -18,13 +18,13 @@ from typing import Callable, List, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
-import numpy as np
 from mlx_lm.models.base import scaled_dot_product_attention
 from mlx_lm.models.cache import KVCache
 from mlx_lm.models.llama import MLP
 from mlx_lm.models.rope_utils import initialize_rope
 
 from ..errors import MlxSpecError
+from . import vocabulary
 from .checkpoint import one_line, quantize_as_stored, read_config, read_weights
 
 
@@ -247,15 +247,10 @@ def _check_against_target(args: ModelArgs, weights: dict, target, path: Path, bi
     if "d2t" not in weights:
         raise MlxSpecError(f"{path}: draft vocabulary of {args.draft_vocab_size} tokens but no d2t "
                            "mapping to the target's")
-    d2t = np.array(weights["d2t"])
-    if d2t.shape != (args.draft_vocab_size,):
-        raise MlxSpecError(f"{path}: d2t has shape {d2t.shape}, the draft vocabulary "
+    if weights["d2t"].shape != (args.draft_vocab_size,):
+        raise MlxSpecError(f"{path}: d2t has shape {tuple(weights['d2t'].shape)}, the draft vocabulary "
                            f"{args.draft_vocab_size} tokens")
-    ids = np.arange(args.draft_vocab_size) + d2t
-    lo, hi, distinct = int(ids.min()), int(ids.max()), len(np.unique(ids))
-    if lo < 0 or hi >= target.vocab_size or distinct != args.draft_vocab_size:
-        raise MlxSpecError(f"{path}: d2t maps the draft vocabulary to ids {lo}..{hi} "
-                           f"({distinct} distinct), not into the target's 0..{target.vocab_size - 1}")
+    vocabulary.ids_from_d2t(weights["d2t"], target.vocab_size, path)
 
 
 def load_eagle3(path, target) -> Model:

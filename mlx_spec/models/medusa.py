@@ -18,12 +18,13 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict
+from typing import Dict, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from ..errors import MlxSpecError
+from . import vocabulary
 from .checkpoint import PICKLED, one_line, quantize_as_stored, read_config
 
 WEIGHT_FILES = ("medusa_lm_head.safetensors", "model.safetensors")
@@ -58,6 +59,8 @@ class ResBlock(nn.Module):
 
 
 class Model(nn.Module):
+    rows = None   # per head, vocabulary.OutputRows of a reduced draft vocabulary; None: whole heads
+
     def __init__(self, args: ModelArgs, target):
         super().__init__()
         self.args = args
@@ -65,6 +68,14 @@ class Model(nn.Module):
         if not args.shared_head:
             self.lm_heads = [nn.Linear(args.hidden_size, args.vocab_size, bias=False) for _ in range(args.num_heads)]
         self._target = target
+
+    def use_vocabulary(self, ids) -> None:
+        """Draft over the target ids `ids` only (models/vocabulary.py)."""
+        self.rows = vocabulary.OutputRows([self._target.output_layer] if self.args.shared_head else self.lm_heads, ids)
+
+    @property
+    def draft_ids(self) -> Optional[mx.array]:
+        return None if self.rows is None else self.rows.ids
 
     def fuse(self, features: mx.array) -> mx.array:
         """The target's last-layer output -> what the heads read (after its final norm)."""
@@ -77,7 +88,10 @@ class Model(nn.Module):
             x = hidden
             for block in self.blocks[i]:
                 x = block(x)
-            out.append(self._target.lm_head(x) if self.args.shared_head else self.lm_heads[i](x))
+            if self.rows is not None:
+                out.append(self.rows(x, 0 if self.args.shared_head else i))
+            else:
+                out.append(self._target.lm_head(x) if self.args.shared_head else self.lm_heads[i](x))
         return mx.stack(out)
 
     def sanitize(self, weights: Dict[str, mx.array]) -> Dict[str, mx.array]:
@@ -144,6 +158,9 @@ def load_medusa(path, target) -> Model:
         raise MlxSpecError(f"cannot load Medusa heads from {path}: {one_line(e)}") from None
     model.set_dtype(target.embed(mx.array([0])).dtype)
     mx.eval(model.parameters())
+    ids = vocabulary.read(path, target.vocab_size)
+    if ids is not None:
+        model.use_vocabulary(ids)
     return model
 
 

@@ -44,6 +44,7 @@ from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache
 
 from ..errors import MlxSpecError
+from . import vocabulary
 from .checkpoint import check_not_pickled, one_line, read_config, safetensors_header
 
 
@@ -133,7 +134,7 @@ class Model(nn.Module):
     drafter drafts with both (chains only: its layer takes no tree positions)."""
 
     supports_tree = False
-    draft_ids = None   # the head covers the target's vocabulary
+    rows = None   # vocabulary.OutputRows of a reduced draft vocabulary; None: the whole head
 
     def __init__(self, target, layout: Layout, has_head: bool = False):
         super().__init__()
@@ -150,6 +151,15 @@ class Model(nn.Module):
         self._target = target        # embedding, final norm and output layer are the target's
         self.taps = [target.num_layers - 1]
         self.draft_vocab_size = target.vocab_size
+
+    def use_vocabulary(self, ids) -> None:
+        """Draft over the target ids `ids` only (models/vocabulary.py)."""
+        self.rows = vocabulary.OutputRows([self.head if "head" in self else self._target.output_layer], ids)
+        self.draft_vocab_size = len(self.rows)
+
+    @property
+    def draft_ids(self) -> Optional[mx.array]:
+        return None if self.rows is None else self.rows.ids
 
     def embed(self, tokens: mx.array) -> mx.array:
         return self._target.embed(tokens)
@@ -172,6 +182,8 @@ class Model(nn.Module):
     def logits(self, hidden: mx.array) -> mx.array:
         if not self.layout.normed_output:
             hidden = self.final_norm(hidden)
+        if self.rows is not None:
+            return self.rows(hidden)
         return self.head(hidden) if "head" in self else self._target.lm_head(hidden)
 
     @staticmethod
@@ -331,4 +343,7 @@ def load_mtp(path, target) -> Model:
         nn.quantize(model, group_size=q["group_size"], bits=q["bits"],
                     class_predicate=lambda _, m: hasattr(m, "to_quantized") and m.weight.shape[-1] % q["group_size"] == 0)
     mx.eval(model.parameters())
+    ids = vocabulary.read(path, target.vocab_size)
+    if ids is not None:
+        model.use_vocabulary(ids)
     return model

@@ -117,6 +117,12 @@ class Target:
         return self.embed_tokens.as_linear(hidden)
 
     @property
+    def output_layer(self):
+        """The module lm_head applies: the model's lm_head, else (tied) the input embedding."""
+        head = getattr(self.model, "lm_head", None)
+        return head if head is not None else self.embed_tokens
+
+    @property
     def final_norm(self):
         return self._part(("norm", "norm_f", "final_layernorm"), "final norm")
 

@@ -28,6 +28,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from ..errors import MlxSpecError
+from ..models import vocabulary
 from ..models.eagle3 import Model, ModelArgs, default_layer_ids
 from .loop import (FeatureStore, LoopOptions, TrainResult, batch_indices, cast_for_saving,
                    layer_config, load_sequences, resume_step, run_loop, used_indices)
@@ -46,11 +47,8 @@ class EagleOptions(LoopOptions):
 def draft_vocabulary(sequences, vocab_size: int, draft_vocab_size: int) -> np.ndarray:
     """The `draft_vocab_size` target ids most frequent in the responses (ties: lower id first),
     sorted ascending."""
-    counts = np.zeros(vocab_size, np.int64)
-    for seq in sequences:
-        np.add.at(counts, np.array(seq.tokens[seq.prompt_length:], np.int64), 1)
-    order = np.lexsort((np.arange(vocab_size), -counts))
-    return np.sort(order[:min(draft_vocab_size, vocab_size)])
+    return vocabulary.frequent_ids((seq.tokens[seq.prompt_length:] for seq in sequences), vocab_size,
+                                   draft_vocab_size)
 
 
 def new_eagle_model(target, draft_ids: np.ndarray, layer_ids: Optional[Sequence[int]] = None) -> Model:
@@ -66,7 +64,7 @@ def new_eagle_model(target, draft_ids: np.ndarray, layer_ids: Optional[Sequence[
     args = ModelArgs(hidden_size=target.hidden_size, vocab_size=target.vocab_size,
                      draft_vocab_size=len(draft_ids), aux_layer_ids=layer_ids, **layer_config(target))
     model = Model(args, target_embed=target.embed)
-    model.d2t = mx.array(np.asarray(draft_ids) - np.arange(len(draft_ids)), mx.int32)
+    model.d2t = vocabulary.d2t(draft_ids)
     model.freeze(keys=["d2t"], recurse=False)    # a mapping, not a weight
     mx.eval(model.parameters())
     return model
