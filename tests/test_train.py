@@ -43,6 +43,8 @@ def data(target, tmp_path_factory):
         prompt = [int(t) for t in rng.integers(1, VOCAB, size=int(rng.integers(4, 9)))]
         rows.append({"id": f"p{i}", "prompt_tokens": prompt, "response_tokens": plain_greedy(target.model, prompt, 24)})
     (path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    # Two of the training prompts as the dev split: what the layer learns shows in their tau.
+    (path / "heldout.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:2]))
     return path
 
 
@@ -149,10 +151,14 @@ def first_and_last(losses, k=3):
 
 def test_eagle_training_lowers_the_loss_and_drafts_losslessly(target, data, tmp_path):
     options = EagleOptions(steps=30, batch_size=4, lr=3e-3, warmup=0, ttt_steps=3, draft_vocab_size=24,
-                           save_every=0, save_dtype="float16")
+                           save_every=0, save_dtype="float16", eval_every=20, eval_prompts=2)
     result = train_eagle(target, data, tmp_path / "eagle", options, feature_dir=None)
     first, last = first_and_last(result.losses)
     assert result.step == 30 and last < 0.6 * first, result.losses
+    log = [json.loads(line) for line in (tmp_path / "eagle" / "train_log.jsonl").read_text().splitlines()]
+    dev = [r for r in log if "dev_tau" in r]   # before the first step, every 20 steps, at the end
+    assert [r["step"] for r in dev] == [0, 20, 30] and all(r["dev_prompts"] == 2 for r in dev)
+    assert 1.0 <= dev[0]["dev_tau"] < dev[-1]["dev_tau"] <= 5.0, dev
     config = json.loads((tmp_path / "eagle" / "config.json").read_text())
     assert config["draft_vocab_size"] == 24 and config["num_hidden_layers"] == 1
     weights = mx.load(str(tmp_path / "eagle" / "model.safetensors"))
@@ -315,17 +321,27 @@ def test_cli_trains_both_and_reports_bad_input_in_one_line(tmp_path):
                     "--draft-vocab-size", "64", "--layer-ids", "0,1,2")
     assert code == 0, err
     assert "2 steps, last loss" in err and "loss" in err
+    code, err = cli("medusa", *common, "--out", str(tmp_path / "m0"), "--eval-every", "1")
+    assert code == 1 and err.count("\n") == 1 and "needs held-out prompts" in err, err
+    (data / "heldout.jsonl").write_text(json.dumps(rows[0]) + "\n")
     code, err = cli("dflash", *common, "--out", str(tmp_path / "d"), "--layers", "1", "--block-size", "4",
-                    "--target-layers", "0,1")
+                    "--target-layers", "0,1", "--eval-every", "2", "--eval-prompts", "1")
     assert code == 0, err
+    log = [json.loads(line) for line in (tmp_path / "d" / "train_log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log if "dev_tau" in r] == [0, 2]
     config = json.loads((tmp_path / "d" / "config.json").read_text())
     assert config["dflash_config"]["target_layer_ids"] == [0, 1]
     assert config["dflash_config"]["mask_token_id"] == 0        # SmolLM2's unk: <|endoftext|>
 
     for kind, extra in (("mtp", ["--ttt-steps", "2"]), ("medusa", ["--heads", "2", "--rows-per-head", "8"])):
-        code, err = cli(kind, *common, "--out", str(tmp_path / kind), *extra)
+        code, err = cli(kind, *common, "--out", str(tmp_path / kind), *extra, "--eval-every", "1", "--eval-prompts", "1")
         assert code == 0 and "2 steps, last loss" in err, err
-        assert make_drafter(kind, load_target(model, "float32"), {"draft_model": str(tmp_path / kind)})
+        log = [json.loads(line) for line in (tmp_path / kind / "train_log.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in log if "dev_tau" in r] == [0, 1, 2]
+        code, err = cli("vocab", "--data", str(data), "--drafter", str(tmp_path / kind), "--size", "16")
+        assert code == 0 and "16 of 49152 tokens cover" in err, err
+        drafter = make_drafter(kind, load_target(model, "float32"), {"draft_model": str(tmp_path / kind)})
+        assert drafter.model.draft_ids.shape == (16,)
 
     code, err = cli("dflash", *common, "--out", str(tmp_path / "d"))
     assert code == 1 and err.count("\n") == 1 and "pass --resume" in err, err

@@ -151,6 +151,12 @@ def training_options(f):
                      help=f"dtype of the published weights {_default('save_dtype')}."),
         click.option("--feature-cache", default=None,
                      help="Directory for the target's features (default: OUT/features)."),
+        click.option("--eval-every", type=click.IntRange(0), default=None,
+                     help="Every N steps (and before the first, and at the end) log the drafter's tau at 4 "
+                          "drafts on the data's held-out prompts to OUT/train_log.jsonl (0: never) "
+                          f"{_default('eval_every')}."),
+        click.option("--eval-prompts", type=click.IntRange(1), default=None,
+                     help=f"Held-out prompts per evaluation, 32 tokens each {_default('eval_prompts')}."),
     ]
     for option in reversed(options):
         f = option(f)

@@ -25,9 +25,10 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
+from ..drafters.dflash import DFlashDrafter
 from ..errors import MlxSpecError
 from ..models.dflash import ARCHITECTURE, DFlashModel, ModelArgs, spread_layer_ids
-from .loop import (FeatureStore, LoopOptions, TrainResult, batch_indices, cast_for_saving,
+from .loop import (DevEvaluation, FeatureStore, LoopOptions, TrainResult, batch_indices, cast_for_saving,
                    layer_config, load_sequences, resume_step, run_loop, step_rng,
                    used_indices)
 
@@ -251,6 +252,8 @@ def train_dflash(target, data_dir, out_dir, options: Optional[DFlashOptions] = N
         raise MlxSpecError("--steps, --batch-size and --blocks must be >= 1, --decay > 0")
     out_dir = Path(out_dir)
     sequences = load_sequences(data_dir, o.max_length)
+    evaluate = DevEvaluation(target, data_dir, lambda m: DFlashDrafter(target, m), o.eval_prompts) \
+        if o.eval_every else None
     out_dir.mkdir(parents=True, exist_ok=True)
     mx.random.seed(o.seed)
     start = resume_step(out_dir, resume)
@@ -278,6 +281,6 @@ def train_dflash(target, data_dir, out_dir, options: Optional[DFlashOptions] = N
                     "layers": args.num_hidden_layers, "block_size": args.block_size,
                     "target_layer_ids": list(args.target_layer_ids), "mask_token_id": args.mask_token_id}
     result = run_loop("dflash", model, make_dflash_loss(target), make_batch, o, out_dir, architecture,
-                      {"dflash": asdict(o)}, resume, progress)
+                      {"dflash": asdict(o)}, resume, progress, evaluate)
     result.path = save_dflash(model, target, out_dir, o.save_dtype)
     return result

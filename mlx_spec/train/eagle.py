@@ -30,7 +30,8 @@ from mlx.utils import tree_flatten
 from ..errors import MlxSpecError
 from ..models import vocabulary
 from ..models.eagle3 import Model, ModelArgs, default_layer_ids
-from .loop import (FeatureStore, LoopOptions, TrainResult, batch_indices, cast_for_saving,
+from ..drafters.eagle import EagleDrafter
+from .loop import (DevEvaluation, FeatureStore, LoopOptions, TrainResult, batch_indices, cast_for_saving,
                    layer_config, load_sequences, resume_step, run_loop, used_indices)
 
 
@@ -219,6 +220,8 @@ def train_eagle(target, data_dir, out_dir, options: Optional[EagleOptions] = Non
         raise MlxSpecError("--steps, --batch-size, --ttt-steps and --draft-vocab-size must be >= 1")
     out_dir = Path(out_dir)
     sequences = load_sequences(data_dir, o.max_length)
+    evaluate = DevEvaluation(target, data_dir, lambda m: EagleDrafter(m, target.vocab_size), o.eval_prompts) \
+        if o.eval_every else None
     out_dir.mkdir(parents=True, exist_ok=True)
     mx.random.seed(o.seed)
     start = resume_step(out_dir, resume)
@@ -249,6 +252,6 @@ def train_eagle(target, data_dir, out_dir, options: Optional[EagleOptions] = Non
                     "vocab_size": target.vocab_size, "draft_vocab_size": model.args.draft_vocab_size,
                     "layer_ids": list(model.args.aux_layer_ids)}
     result = run_loop("eagle", model, eagle_loss, make_batch, o, out_dir, architecture,
-                      {"eagle": asdict(o)}, resume, progress)
+                      {"eagle": asdict(o)}, resume, progress, evaluate)
     result.path = save_eagle3(model, out_dir, o.save_dtype)
     return result

@@ -21,6 +21,7 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
+from ..engine import Engine
 from ..errors import MlxSpecError
 from ..models.checkpoint import FLOAT_DTYPES
 from .data import read_split
@@ -297,6 +298,8 @@ class LoopOptions:
     save_dtype: str = "float32"
     max_minutes: float = 0.0        # stop (and checkpoint) after this much training; 0: no limit
     init: Optional[str] = None      # start from this published drafter's weights (not a resume)
+    eval_every: int = 0             # steps between dev evaluations (tau at 4 drafts); 0: none
+    eval_prompts: int = 8           # dev prompts (the data's held-out split) per evaluation
 
     @classmethod
     def given(cls, **options):
@@ -306,13 +309,41 @@ class LoopOptions:
         return cls(**{k: v for k, v in options.items() if v is not None and k in names})
 
 
+class DevEvaluation:
+    """The drafter's tau (tokens per verification step) at a fixed 4 drafts, every draft
+    verified, greedy, on the first `prompts` prompts of the data's held-out split (by id): what
+    the learning curves plot. Each prompt generates `max_tokens` tokens through the engine with
+    a drafter built from the model as it is (make_drafter(model))."""
+
+    def __init__(self, target, data_dir, make_drafter: Callable, prompts: int = 8, max_tokens: int = 32,
+                 draft_tokens: int = 4):
+        rows = sorted(read_split(data_dir, "heldout"), key=lambda r: r["id"])[:prompts]
+        if not rows:
+            raise MlxSpecError(f"--eval-every needs held-out prompts: {data_dir}/heldout.jsonl is empty or missing")
+        self.target, self.make_drafter = target, make_drafter
+        self.prompts = [r["prompt_tokens"] for r in rows]
+        self.max_tokens, self.draft_tokens = max_tokens, draft_tokens
+
+    def __call__(self, model: nn.Module) -> dict:
+        committed = steps = 0
+        engine = Engine(self.target, self.make_drafter(model), num_draft_tokens=self.draft_tokens, adaptive=False)
+        for prompt in self.prompts:
+            for event in engine.generate(prompt, max_tokens=self.max_tokens):
+                if event[0] == "done":
+                    committed, steps = committed + event[1].committed, steps + event[1].steps
+        return {"dev_tau": committed / steps if steps else 0.0, "dev_prompts": len(self.prompts)}
+
+
 def run_loop(kind: str, model: nn.Module, loss_fn: Callable, make_batch: Callable[[int], tuple],
              options: LoopOptions, out_dir, architecture: dict, extra_state: dict, resume: bool,
-             progress: Optional[Callable[[dict], None]] = None) -> TrainResult:
+             progress: Optional[Callable[[dict], None]] = None,
+             evaluate: Optional[DevEvaluation] = None) -> TrainResult:
     """Train `model` for options.steps steps (from the checkpoint's step with `resume`).
 
     loss_fn(model, *batch) -> (loss, metrics dict of scalars); make_batch(step) -> (batch tuple,
-    positions trained, for the rate). Checkpoints every save_every steps and at the end."""
+    positions trained, for the rate). Checkpoints every save_every steps and at the end. With
+    `evaluate` and options.eval_every, a dev record {"step", "dev_tau", ...} is logged before
+    the first step, every eval_every steps and at the end."""
     out_dir = Path(out_dir)
     optimizer = make_optimizer(options.lr, options.steps, options.warmup, options.weight_decay)
     start = resume_step(out_dir, resume)
@@ -325,7 +356,17 @@ def run_loop(kind: str, model: nn.Module, loss_fn: Callable, make_batch: Callabl
     result = TrainResult(step=start)
     log = open(out_dir / "train_log.jsonl", "a")
     deadline = time.monotonic() + 60 * options.max_minutes if options.max_minutes > 0 else None
+    evaluated = None
+
+    def dev_record(step):
+        nonlocal evaluated
+        if evaluate is not None and options.eval_every and evaluated != step:
+            evaluated = step
+            log.write(json.dumps({"step": step, **evaluate(model)}) + "\n")
+            log.flush()
+
     try:
+        dev_record(start)
         for step in range(start, options.steps):
             if deadline is not None and time.monotonic() > deadline:
                 break   # the time budget is spent: checkpoint below, a later --resume continues
@@ -350,6 +391,9 @@ def run_loop(kind: str, model: nn.Module, loss_fn: Callable, make_batch: Callabl
                 progress(record)
             if options.save_every and (step + 1) % options.save_every == 0 and step + 1 < options.steps:
                 save_checkpoint(out_dir, model, optimizer, step + 1, state)
+            if options.eval_every and (step + 1) % options.eval_every == 0:
+                dev_record(step + 1)
+        dev_record(result.step)
         if result.step > start or saved is None:
             save_checkpoint(out_dir, model, optimizer, result.step, state)
     finally:

@@ -16,9 +16,10 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from ..drafters.medusa import MedusaDrafter
 from ..errors import MlxSpecError
 from ..models.medusa import Model, ModelArgs, save_medusa
-from .loop import (FeatureStore, LoopOptions, TrainResult, batch_indices, load_sequences, resume_step,
+from .loop import (DevEvaluation, FeatureStore, LoopOptions, TrainResult, batch_indices, load_sequences, resume_step,
                    run_loop, step_rng, used_indices)
 
 
@@ -86,6 +87,8 @@ def train_medusa(target, data_dir, out_dir, options: Optional[MedusaOptions] = N
         raise MlxSpecError("--heads, --rows-per-head, --batch-size and --steps must be >= 1, --layers >= 0")
     out_dir = Path(out_dir)
     sequences = load_sequences(data_dir, o.max_length)
+    evaluate = DevEvaluation(target, data_dir, lambda m: MedusaDrafter(target, m), o.eval_prompts) \
+        if o.eval_every else None
     out_dir.mkdir(parents=True, exist_ok=True)
     start = resume_step(out_dir, resume)
     if o.init and not start:
@@ -110,6 +113,6 @@ def train_medusa(target, data_dir, out_dir, options: Optional[MedusaOptions] = N
     architecture = {"hidden_size": target.hidden_size, "vocab_size": target.vocab_size,
                     "heads": model.args.num_heads, "layers": model.args.num_layers}
     result = run_loop("medusa", model, medusa_loss, make_batch, o, out_dir, architecture, {"medusa": asdict(o)},
-                      resume, progress)
+                      resume, progress, evaluate)
     result.path = save_medusa(model, out_dir, getattr(mx, o.save_dtype))
     return result

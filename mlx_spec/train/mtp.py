@@ -26,10 +26,11 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
+from ..drafters.eagle import EagleDrafter
 from ..errors import MlxSpecError
 from ..models.mtp import LAYOUTS, Model
 from .eagle import chain_attention_step, make_eagle_batch
-from .loop import (FeatureStore, LoopOptions, TrainResult, batch_indices, cast_for_saving,
+from .loop import (DevEvaluation, FeatureStore, LoopOptions, TrainResult, batch_indices, cast_for_saving,
                    load_sequences, resume_step, run_loop, used_indices)
 
 
@@ -136,6 +137,8 @@ def train_mtp(target, data_dir, out_dir, options: Optional[MTPOptions] = None, r
         raise MlxSpecError("--steps, --batch-size and --ttt-steps must be >= 1")
     out_dir = Path(out_dir)
     sequences = load_sequences(data_dir, o.max_length)
+    evaluate = DevEvaluation(target, data_dir, lambda m: EagleDrafter(m, target.vocab_size), o.eval_prompts) \
+        if o.eval_every else None
     out_dir.mkdir(parents=True, exist_ok=True)
     mx.random.seed(o.seed)
     start = resume_step(out_dir, resume)
@@ -158,6 +161,6 @@ def train_mtp(target, data_dir, out_dir, options: Optional[MTPOptions] = None, r
     architecture = {"hidden_size": target.hidden_size, "target_layers": target.num_layers,
                     "vocab_size": target.vocab_size, "layout": "deepseek"}
     result = run_loop("mtp", model, mtp_loss, make_batch, o, out_dir, architecture, {"mtp": asdict(o)},
-                      resume, progress)
+                      resume, progress, evaluate)
     result.path = save_mtp(model, target, out_dir, o.save_dtype)
     return result
