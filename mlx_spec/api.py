@@ -48,17 +48,21 @@ def load(path_or_hf_repo: Optional[str] = None, draft: str = "lookup", draft_mod
          adaptive: bool = True, stop_early: bool = False, residual_sampling: bool = False,
          sessions: bool = False, ngram_max: Optional[int] = None, ngram_min: Optional[int] = None,
          tree_budget: Optional[int] = None, tree_topk: Optional[int] = None, exit_layer: Optional[int] = None,
-         suffix_memory: Optional[str] = None, **sampling):
+         suffix_memory: Optional[str] = None, kv_bits: Optional[int] = None, kv_group_size: int = 64,
+         quantized_kv_start: int = 5000, **sampling):
     """(model, tokenizer): the target (default: the embedded SmolLM2-135M-Instruct) with the
     draft source `draft` (see mlx_spec.drafters.DRAFTERS; `draft_model`: its checkpoint or draft
     model, a directory or repo id), adaptive by default. The source's own options (ngram_*,
     tree_*, exit_layer, suffix_memory) default to its registry entry's (None: not given); one it does not read
-    is refused. `sampling` (temp, top_p, top_k, min_p, seed) sets the engine's defaults, which
-    each generate call may override."""
+    is refused. kv_bits, kv_group_size, quantized_kv_start: mlx-lm's quantized KV cache.
+    `sampling` (temp, top_p, top_k, min_p, seed) sets the engine's defaults, which each generate
+    call may override."""
+    from .cache import KVQuantization
     from .drafters import DRAFTERS, draft_tokens, make_drafter, source_options, sources_reading
     from .models.target import load_target
 
     num_draft_tokens = draft_tokens(draft, num_draft_tokens)
+    kv_quantization = KVQuantization(kv_bits, kv_group_size, quantized_kv_start) if kv_bits else None
     if stop_early and not DRAFTERS[draft].stops_early:
         raise MlxSpecError(f"--stop-early is for --draft {sources_reading('stop_early')}, not --draft {draft}")
     options = source_options(draft, draft_model=draft_model_path(draft, draft_model), dtype=dtype,
@@ -69,7 +73,7 @@ def load(path_or_hf_repo: Optional[str] = None, draft: str = "lookup", draft_mod
     seed = sampling.pop("seed", None)
     engine = Engine(target, drafter, num_draft_tokens=num_draft_tokens, sampling=sampling_params(**sampling),
                     seed=seed, residual=residual_sampling, adaptive=adaptive, stop_early=stop_early,
-                    sessions=sessions)
+                    sessions=sessions, kv_quantization=kv_quantization)
     return engine, target.tokenizer
 
 

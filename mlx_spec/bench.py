@@ -123,9 +123,10 @@ TURN_SECONDS = 0.5   # a turn of one of two interleaved generations: short again
                      # long against what a turn's end costs mlx-lm (one step not overlapped)
 
 
-def baseline_steps(target, prompt_tokens, max_tokens, sampler, out: dict):
+def baseline_steps(target, prompt_tokens, max_tokens, sampler, out: dict, cache_flags: Optional[dict] = None):
     """Plain mlx-lm on the same weights, one step per iteration; out gets "tokens" and "text".
-    sampler: mlx-lm's, or a Sampler whose seeded rule is drawn with (seeded_sampler)."""
+    sampler: mlx-lm's, or a Sampler whose seeded rule is drawn with (seeded_sampler);
+    cache_flags: stream_generate's kv_bits, kv_group_size, quantized_kv_start."""
     from mlx_lm import stream_generate
 
     if isinstance(sampler, Sampler):
@@ -133,7 +134,7 @@ def baseline_steps(target, prompt_tokens, max_tokens, sampler, out: dict):
     tokens, pieces, eos = [], [], set(target.eos_token_ids)
     out.update(tokens=tokens)
     for response in stream_generate(target.model, target.tokenizer, prompt_tokens,
-                                     max_tokens=max_tokens, sampler=sampler):
+                                     max_tokens=max_tokens, sampler=sampler, **(cache_flags or {})):
         pieces.append(response.text)
         if response.token not in eos:
             tokens.append(response.token)
@@ -180,8 +181,9 @@ def timed_in_turns(runs, turn_seconds=TURN_SECONDS) -> List[float]:
 
 
 def run_bench(target, engines: Dict[str, object], items, max_tokens, repeats, sampling, seed=0,
-              progress=None, residual=False) -> List[Record]:
-    """Every turn of every item, `repeats` times: each method interleaved with a baseline run."""
+              progress=None, residual=False, cache_flags: Optional[dict] = None) -> List[Record]:
+    """Every turn of every item, `repeats` times: each method interleaved with a baseline run
+    (with mlx-lm's cache_flags, as the engines have them)."""
     from mlx_lm.sample_utils import make_sampler
 
     compared = sampling.greedy or not residual   # outputs that must equal the baseline's
@@ -189,7 +191,7 @@ def run_bench(target, engines: Dict[str, object], items, max_tokens, repeats, sa
                make_sampler(sampling.temp, sampling.top_p, sampling.min_p, top_k=sampling.top_k))
     tokenizer = target.tokenizer
     warmup = tokenizer.apply_chat_template([{"role": "user", "content": "Hello"}], add_generation_prompt=True)
-    timed_in_turns([baseline_steps(target, warmup, 8, sampler, {}),
+    timed_in_turns([baseline_steps(target, warmup, 8, sampler, {}, cache_flags),
                     *(method_steps(engine, warmup, 8, {}) for engine in engines.values())])
     mx.random.seed(seed)
 
@@ -205,7 +207,7 @@ def run_bench(target, engines: Dict[str, object], items, max_tokens, repeats, sa
                 base_prompt = prompt_of("baseline")
                 for name, engine in engines.items():
                     base, run = {}, {}
-                    runs = [baseline_steps(target, base_prompt, max_tokens, sampler, base),
+                    runs = [baseline_steps(target, base_prompt, max_tokens, sampler, base, cache_flags),
                             method_steps(engine, prompt_of(name), max_tokens, run)]
                     # Who starts alternates (one record per pair): neither always gets the
                     # first turn's machine state.

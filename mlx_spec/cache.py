@@ -8,6 +8,7 @@ last pass; a `ChunkedKVCache` drops the previous chunk. `rollback_to` rolls back
 what it needs is still there and otherwise says so, and the caller rebuilds the cache from the
 tokens: never a cache that silently differs from a plain run."""
 
+from dataclasses import dataclass
 from typing import Any, List, Optional, Sequence
 
 import mlx.core as mx
@@ -20,6 +21,43 @@ from .errors import MlxSpecError
 
 def make_cache(model) -> List[Any]:
     return make_prompt_cache(model)
+
+
+@dataclass(frozen=True)
+class KVQuantization:
+    """mlx-lm's --kv-bits, --kv-group-size and --quantized-kv-start: once the cache holds `start`
+    positions its plain KV layers become QuantizedKVCache (mlx-lm's maybe_quantize_kv_cache,
+    after each pass, as its generate_step does). Each position's K/V are quantized on their own,
+    so what differs from a plain run is only which positions were computed before the switch:
+    in a plain run, those below `start`. A verification pass therefore never crosses it."""
+    bits: int
+    group_size: int = 64
+    start: int = 5000   # mlx-lm's default quantized_kv_start
+
+    def __post_init__(self):
+        if self.bits not in (2, 3, 4, 5, 6, 8) or self.group_size not in (32, 64, 128) or self.start < 0:
+            raise MlxSpecError(f"--kv-bits must be 2, 3, 4, 5, 6 or 8 and --kv-group-size 32, 64 or 128 "
+                               f"(got {self.bits}, {self.group_size}); --quantized-kv-start >= 0")
+
+    def check(self, cache: List[Any], model_type: str) -> None:
+        """mlx-lm quantizes plain KV layers only and cannot quantize a sliding window: refuse
+        those in one line, before any token (mlx-lm's own generate raises at the switch)."""
+        windows = sorted({type(c).__name__ for c in cache if isinstance(c, RotatingKVCache)})
+        if windows:
+            raise MlxSpecError(f"--kv-bits: mlx-lm cannot quantize the {', '.join(windows)} of this {model_type} "
+                               "model (sliding-window attention): drop --kv-bits")
+
+    def apply(self, cache: List[Any]) -> None:
+        from mlx_lm.generate import maybe_quantize_kv_cache
+
+        maybe_quantize_kv_cache(cache, self.start, self.group_size, self.bits)
+
+    def positions_before_switch(self, cache: List[Any], position: int) -> Optional[int]:
+        """How many positions from `position` on a pass may compute before the cache must be
+        quantized (None: no limit, it is quantized already or never will be)."""
+        if position >= self.start or not any(hasattr(c, "to_quantized") for c in cache):
+            return None
+        return self.start - position
 
 
 def _layers(cache):
@@ -63,7 +101,10 @@ def holds_trees(cache: Sequence[Any]) -> bool:
     return not _not_plain(cache)
 
 
-def check_tree(cache: Sequence[Any], model_type: str) -> None:
+def check_tree(cache: Sequence[Any], model_type: str, kv_quantization=None) -> None:
+    if kv_quantization:
+        raise MlxSpecError("tree drafts need a plain KV cache, which --kv-bits quantizes: draft a chain "
+                           "(no --tree-budget) or drop --kv-bits")
     kinds = _not_plain(cache)
     if kinds:
         raise MlxSpecError(f"tree drafts need a plain KV cache; this {model_type} model uses "

@@ -20,8 +20,8 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence
 
 import mlx.core as mx
 
-from .cache import (Replay, batchable, check_speculation, check_tree, common_prefix_length, is_recurrent,
-                    make_cache, rollback_to)
+from .cache import (KVQuantization, Replay, batchable, check_speculation, check_tree, common_prefix_length,
+                    is_recurrent, make_cache, rollback_to)
 from .drafters.base import Draft, Drafter, NoDrafter
 from .errors import MlxSpecError
 from .policy import DraftPlan, DraftPolicy, StepOutcome
@@ -145,15 +145,19 @@ class Engine:
     def __init__(self, target, drafter: Optional[Drafter] = None, num_draft_tokens: int = 8,
                  sampling: SamplingParams = SamplingParams(), seed: Optional[int] = None,
                  residual: bool = False, adaptive: bool = True, policy: Optional[DraftPolicy] = None,
-                 stop_early: bool = False, sessions: bool = False):
+                 stop_early: bool = False, sessions: bool = False,
+                 kv_quantization: Optional[KVQuantization] = None):
         """num_draft_tokens: the most drafts per step; adaptive: the policy decides how many
         (policy.py), else always that many. seed None: a fresh one (reported in the stats, so
         that the output can be repeated). residual: the classic acceptance rule (sampling.py).
         stop_early (adaptive only): drafters that draft one position at a time stop once the
         next draft would not pay, at the price of a sync per draft. sessions: keep what
-        `detach`/`attach` need to switch between conversations (the drafter's taps)."""
+        `detach`/`attach` need to switch between conversations (the drafter's taps).
+        kv_quantization: mlx-lm's --kv-bits family (cache.KVQuantization)."""
         self.settings = dict(num_draft_tokens=num_draft_tokens, sampling=sampling, seed=seed, residual=residual,
-                             adaptive=adaptive, policy=policy, stop_early=stop_early, sessions=sessions)
+                             adaptive=adaptive, policy=policy, stop_early=stop_early, sessions=sessions,
+                             kv_quantization=kv_quantization)
+        self.kv_quantization = kv_quantization
         self.target = target
         self.drafter = drafter or NoDrafter()
         self.speculative = not isinstance(self.drafter, NoDrafter)
@@ -174,7 +178,9 @@ class Engine:
         if self.speculative:
             check_speculation(self.cache, target.model_type)
         if self.drafter.tree:
-            check_tree(self.cache, target.model_type)
+            check_tree(self.cache, target.model_type, kv_quantization)
+        if kv_quantization:
+            kv_quantization.check(self.cache, target.model_type)
         # Recurrent layers roll back by replaying the last verification pass (cache.Replay).
         self.recurrent = any(is_recurrent(c) for c in self.cache)
 
@@ -190,6 +196,8 @@ class Engine:
             return "tree drafts are verified one sequence at a time"
         if self.drafter.verify_forward is not None:
             return "this drafter runs the target's own layers on one sequence's cache"
+        if self.kv_quantization:
+            return "a quantized KV cache (--kv-bits) is verified one sequence at a time"
         return batchable(self.cache, self.target.model_type)
 
     @property
@@ -256,7 +264,12 @@ class Engine:
             _, taps = self.target.forward(mx.array(chunk)[None], self.cache, self.drafter.taps)
             mx.eval([c.state for c in self.cache], taps)
             self.filled(chunk, taps, pieces)
+            self._quantize_if_due()
         return {layer: mx.concatenate(hs, axis=1) for layer, hs in pieces.items()}
+
+    def _quantize_if_due(self) -> None:
+        if self.kv_quantization:
+            self.kv_quantization.apply(self.cache)
 
     def filled(self, chunk: List[int], taps: Dict[int, mx.array], pieces: Dict[int, list]) -> None:
         """The cache now holds `chunk` too (a prefill pass, here or a batch's); its taps
@@ -387,6 +400,7 @@ class Engine:
             return self._fill(pending.tokens)
         tic = time.perf_counter()
         verdict = self._verify(pending.context, pending.draft)
+        self._quantize_if_due()
         verdict.seconds = time.perf_counter() - tic
         return verdict
 
@@ -415,6 +429,10 @@ class Engine:
             while not stats.finish_reason:
                 # Never draft past max_tokens: a step commits at most k + 1 tokens.
                 k = min(self.num_draft_tokens, max_tokens - stats.generated_tokens - 1)
+                room = self.kv_quantization and self.kv_quantization.positions_before_switch(
+                    self.cache, len(context) - 1)
+                if room:   # a pass computes positions a plain run computes on one side of the switch only
+                    k = min(k, room - 1)
                 self.plan = self.policy.plan(k) if self.policy else DraftPlan(k)
                 step = yield from self._step(context)
                 accepted = step.accepted

@@ -52,6 +52,21 @@ def test_generate_json_matches_the_stream():
     assert "(no drafting)" in err and "tok/s" in err
 
 
+def test_kv_bits_speculates_exactly_and_refuses_trees():
+    """mlx-lm's flags: the quantized cache switches at 40 tokens, inside the reply."""
+    prompt = "Repeat this list exactly twice: apples, bananas, cherries, dates, elderberries, figs, grapes."
+    flags = ["--kv-bits", "4", "--quantized-kv-start", "40", "--max-tokens", "40", "--json"]
+    outputs = {}
+    for draft in ("none", "lookup"):
+        code, out, err = cli(["generate", prompt, "--draft", draft, *flags])
+        assert code == 0, err
+        outputs[draft] = json.loads(out)
+    assert outputs["lookup"]["tokens"] == outputs["none"]["tokens"]
+    assert outputs["lookup"]["stats"]["accepted"] > 0
+    code, _, err = cli(["generate", "Hi.", "--draft", "eagle", "--tree-budget", "8", *flags])
+    assert_one_line_error(code, err, "tree drafts need a plain KV cache, which --kv-bits quantizes")
+
+
 def test_generate_reads_stdin():
     code, out, err = cli(["generate", "--prompt", "-", "--max-tokens", "8", "--json"], input="Say hi.")
     assert code == 0, err

@@ -4,7 +4,7 @@ import click
 
 from ..drafters import DRAFTERS
 from ..models.target import DTYPES
-from .common import echo_err, reports_errors, source_defaults
+from .common import echo_err, kv_cache_options, reports_errors, source_defaults
 
 
 @click.command("bench", short_help="Time draft methods against plain mlx-lm, per prompt category.")
@@ -51,13 +51,15 @@ from .common import echo_err, reports_errors, source_defaults
 @click.option("--json", "json_path", default=None, help="Write every per-prompt record here.")
 @click.option("--markdown", "markdown_path", default=None, help="Write the table as Markdown here.")
 @click.option("--plot", "plot_path", default=None, help="Write a PNG plot here (needs matplotlib).")
+@kv_cache_options
 @reports_errors
 def bench(model_path, revision, dtype, prompts, categories, methods, draft_models, num_draft_tokens,
           tree_budget, tree_topk, exit_layer, suffix_memory, max_tokens, repeats, concurrency, temp, top_p, seed, stop_early, adaptive,
-          residual, json_path, markdown_path, plot_path):
+          residual, json_path, markdown_path, plot_path, kv_bits, kv_group_size, quantized_kv_start):
     """Time draft methods side by side with plain mlx_lm.stream_generate (--concurrency N: several
     prompts at once, batched, against mlx-lm's batched generation)."""
     from .. import bench as harness
+    from ..cache import KVQuantization
     from ..api import draft_model_path
     from ..api import model_path as resolve_model
     from ..drafters import draft_tokens, make_drafter, source_options
@@ -89,6 +91,11 @@ def bench(model_path, revision, dtype, prompts, categories, methods, draft_model
     sampling = SamplingParams(temp=temp, top_p=top_p).check(target.vocab_size)
     memory = None if suffix_memory == "off" else SuffixMemory(
         Path(suffix_memory).expanduser(), vocabulary_hash(target.tokenizer), learn_now=False)
+    kv_quantization = KVQuantization(kv_bits, kv_group_size, quantized_kv_start) if kv_bits else None
+    cache_flags = dict(kv_bits=kv_bits, kv_group_size=kv_group_size, quantized_kv_start=quantized_kv_start) \
+        if kv_bits else {}
+    if kv_bits and concurrency:
+        raise MlxSpecError("--concurrency batches plain KV caches: drop --kv-bits")
     engines, lengths = {}, {}
     for name in names:
         lengths[name] = draft_tokens(name, num_draft_tokens)
@@ -98,7 +105,8 @@ def bench(model_path, revision, dtype, prompts, categories, methods, draft_model
             name, draft_model=draft_model_path(name, paths.get(name)), dtype=dtype,
             **{k: v for k, v in given.items() if k in DRAFTERS[name].options.names()}))
         engines[name] = Engine(target, drafter, num_draft_tokens=lengths[name], sampling=sampling, seed=seed,
-                               residual=residual, adaptive=adaptive, stop_early=stop_early)
+                               residual=residual, adaptive=adaptive, stop_early=stop_early,
+                               kv_quantization=kv_quantization)
     if not engines:
         raise MlxSpecError("--methods names no method")
 
@@ -109,7 +117,7 @@ def bench(model_path, revision, dtype, prompts, categories, methods, draft_model
                                              concurrency, progress=bar.update)
         else:
             records = harness.run_bench(target, engines, items, max_tokens, repeats, sampling, seed,
-                                        progress=bar.update, residual=residual)
+                                        progress=bar.update, residual=residual, cache_flags=cache_flags)
     if memory is not None:
         memory.save()
     rows = harness.summarize(records)
@@ -118,7 +126,7 @@ def bench(model_path, revision, dtype, prompts, categories, methods, draft_model
                 concurrency=concurrency or None,
                 sampling_rule="residual" if residual else "seeded", adaptive=adaptive, stop_early=stop_early,
                 tree_budget=tree_budget, tree_topk=tree_topk, exit_layer=exit_layer,
-                suffix_memory=suffix_memory if memory is not None else None)
+                suffix_memory=suffix_memory if memory is not None else None, **cache_flags)
     click.echo(harness.render_table(rows))
     if json_path:
         harness.write_json(json_path, meta, rows, records)

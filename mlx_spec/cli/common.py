@@ -16,6 +16,21 @@ def source_defaults(option: str) -> str:
                      if option in source.options.names())
 
 
+def kv_cache_options(f):
+    """mlx-lm's KV-cache quantization flags, its names and defaults (api.load's arguments)."""
+    options = [
+        click.option("--kv-bits", type=int, default=None,
+                     help="Quantize the KV cache to this many bits (2, 3, 4, 5, 6, 8; default: no quantization)."),
+        click.option("--kv-group-size", type=int, default=64, show_default=True,
+                     help="Group size of the KV cache quantization (32, 64, 128)."),
+        click.option("--quantized-kv-start", type=click.IntRange(0), default=5000, show_default=True,
+                     help="With --kv-bits, quantize the cache once it holds this many tokens."),
+    ]
+    for option in reversed(options):
+        f = option(f)
+    return f
+
+
 def model_options(f):
     """--model/--dtype and the draft-source options, named as in mlx-lm where it has them; their
     destinations are api.load's argument names. A source's own options default to None (not
@@ -74,7 +89,7 @@ def model_options(f):
     ]
     for option in reversed(options):
         f = option(f)
-    return f
+    return kv_cache_options(f)
 
 
 def reports_errors(f):
