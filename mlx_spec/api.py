@@ -10,6 +10,7 @@ turn computes only its new tokens). Model names, directories or Hugging Face rep
 resolved here, once, for the CLI too."""
 
 import secrets
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,15 +50,16 @@ def load(path_or_hf_repo: Optional[str] = None, draft: str = "lookup", draft_mod
          sessions: bool = False, ngram_max: Optional[int] = None, ngram_min: Optional[int] = None,
          tree_budget: Optional[int] = None, tree_topk: Optional[int] = None, exit_layer: Optional[int] = None,
          suffix_memory: Optional[str] = None, kv_bits: Optional[int] = None, kv_group_size: int = 64,
-         quantized_kv_start: int = 5000, **sampling):
+         quantized_kv_start: int = 5000, max_kv_size: Optional[int] = None, **sampling):
     """(model, tokenizer): the target (default: the embedded SmolLM2-135M-Instruct) with the
     draft source `draft` (see mlx_spec.drafters.DRAFTERS; `draft_model`: its checkpoint or draft
     model, a directory or repo id), adaptive by default. The source's own options (ngram_*,
     tree_*, exit_layer, suffix_memory) default to its registry entry's (None: not given); one it does not read
-    is refused. kv_bits, kv_group_size, quantized_kv_start: mlx-lm's quantized KV cache.
+    is refused. kv_bits, kv_group_size, quantized_kv_start: mlx-lm's quantized KV cache;
+    max_kv_size: its bounded one.
     `sampling` (temp, top_p, top_k, min_p, seed) sets the engine's defaults, which each generate
     call may override."""
-    from .cache import KVQuantization
+    from .cache import KVQuantization, is_bounded
     from .drafters import DRAFTERS, draft_tokens, make_drafter, source_options, sources_reading
     from .models.target import load_target
 
@@ -73,7 +75,10 @@ def load(path_or_hf_repo: Optional[str] = None, draft: str = "lookup", draft_mod
     seed = sampling.pop("seed", None)
     engine = Engine(target, drafter, num_draft_tokens=num_draft_tokens, sampling=sampling_params(**sampling),
                     seed=seed, residual=residual_sampling, adaptive=adaptive, stop_early=stop_early,
-                    sessions=sessions, kv_quantization=kv_quantization)
+                    sessions=sessions, kv_quantization=kv_quantization, max_kv_size=max_kv_size)
+    if max_kv_size and not is_bounded(engine.cache):
+        print(f"mlx-spec: --max-kv-size: this {target.model_type} model builds its own cache, which mlx-lm "
+              "does not bound either", file=sys.stderr)
     return engine, target.tokenizer
 
 

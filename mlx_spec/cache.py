@@ -8,6 +8,7 @@ last pass; a `ChunkedKVCache` drops the previous chunk. `rollback_to` rolls back
 what it needs is still there and otherwise says so, and the caller rebuilds the cache from the
 tokens: never a cache that silently differs from a plain run."""
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, List, Optional, Sequence
 
@@ -19,8 +20,57 @@ from mlx_lm.models.cache import (ArraysCache, CacheList, ChunkedKVCache, KVCache
 from .errors import MlxSpecError
 
 
-def make_cache(model) -> List[Any]:
-    return make_prompt_cache(model)
+def make_cache(model, max_kv_size: Optional[int] = None) -> List[Any]:
+    """mlx-lm's cache for the model; max_kv_size (--max-kv-size): where mlx-lm makes its
+    RotatingKVCache(max_kv_size, keep=4), a BoundedKVCache, which verifies exactly."""
+    cache = make_prompt_cache(model, max_kv_size)
+    return [BoundedKVCache(c.max_size, c.keep) if type(c) is RotatingKVCache and max_kv_size else c
+            for c in cache]
+
+
+class BoundedKVCache(RotatingKVCache):
+    """mlx-lm's cache of --max-kv-size: the first `keep` positions and a window of the latest.
+    Decoding one token at a time, position q attends to positions < keep and to the last
+    max_size - keep up to itself; mlx-lm's mask for a pass over several positions is a plain
+    sliding window of max_size, which hides the kept positions from every row but the first.
+    While `verifying` (a verification pass, cache.verification), the mask is one-token
+    decoding's instead, so the pass computes what plain decoding computes; a pass over a prompt
+    keeps mlx-lm's mask, as its prefill has it."""
+
+    verifying = False
+
+    def make_mask(self, N: int, window_size: Optional[int] = None, return_array: bool = False):
+        if N == 1 or not self.verifying or window_size is not None:
+            return super().make_mask(N, window_size=window_size, return_array=return_array)
+        p, keep, size = self.offset, self.keep, self.max_size
+        # The positions of the columns the update will hand over (update_and_fetch keeps the
+        # old entries in temporal order: all of them, or the first `keep` and the latest).
+        if self.keys is None:
+            held = 0
+        else:   # what _temporal_order hands _update_concat, then cut to size - 1
+            whole = self._idx == self.keys.shape[2] or self._idx < self.offset
+            held = min(self.keys.shape[2] if whole else self._idx, size - 1)
+        old = mx.arange(p) if held == p else mx.concatenate([mx.arange(keep), mx.arange(p - (held - keep), p)])
+        columns = mx.concatenate([old, mx.arange(p, p + N)])
+        rows = mx.arange(p, p + N)[:, None]
+        return (columns <= rows) & ((columns < keep) | (columns >= rows - (size - keep - 1)))
+
+
+def is_bounded(cache: Sequence[Any]) -> bool:
+    return any(isinstance(c, BoundedKVCache) for c in _layers(cache))
+
+
+@contextmanager
+def verification(cache: Sequence[Any]):
+    """Within: the cache's bounded layers mask a pass as one-token decoding would (BoundedKVCache)."""
+    bounded = [c for c in _layers(cache) if isinstance(c, BoundedKVCache)]
+    for c in bounded:
+        c.verifying = True
+    try:
+        yield
+    finally:
+        for c in bounded:
+            c.verifying = False
 
 
 @dataclass(frozen=True)
@@ -122,15 +172,15 @@ def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
 
 def _rollback_rotating(c: RotatingKVCache, length: int) -> bool:
     """mlx-lm's sliding-window cache. A multi-token update leaves its entries in temporal order
-    (the last max_size - 1 before it, then the new ones): dropping the newest n is a slice, and
-    exact while the window before `length` is still held. After a one-token update the buffer
-    has rotated over the entries a rollback would need."""
+    (the last max_size - 1 before it, the first `keep` of them kept, then the new ones): dropping
+    the newest n is a slice, and exact while the window before `length` is still held. After a
+    one-token update the buffer has rotated over the entries a rollback would need."""
     n = c.offset - length
     held = c.keys.shape[2] if c.keys is not None else 0
     if c.offset < c.max_size and c._idx == c.offset:   # not wrapped yet: index = position
         c.trim(n)
         return True
-    if c.keep or c._idx != held:
+    if c._idx != held:
         return False
     kept = held - n
     # Every position of the window before `length` must be there, and a full window at least

@@ -21,7 +21,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence
 import mlx.core as mx
 
 from .cache import (KVQuantization, Replay, batchable, check_speculation, check_tree, common_prefix_length,
-                    is_recurrent, make_cache, rollback_to)
+                    is_recurrent, make_cache, rollback_to, verification)
 from .drafters.base import Draft, Drafter, NoDrafter
 from .errors import MlxSpecError
 from .policy import DraftPlan, DraftPolicy, StepOutcome
@@ -146,18 +146,19 @@ class Engine:
                  sampling: SamplingParams = SamplingParams(), seed: Optional[int] = None,
                  residual: bool = False, adaptive: bool = True, policy: Optional[DraftPolicy] = None,
                  stop_early: bool = False, sessions: bool = False,
-                 kv_quantization: Optional[KVQuantization] = None):
+                 kv_quantization: Optional[KVQuantization] = None, max_kv_size: Optional[int] = None):
         """num_draft_tokens: the most drafts per step; adaptive: the policy decides how many
         (policy.py), else always that many. seed None: a fresh one (reported in the stats, so
         that the output can be repeated). residual: the classic acceptance rule (sampling.py).
         stop_early (adaptive only): drafters that draft one position at a time stop once the
         next draft would not pay, at the price of a sync per draft. sessions: keep what
         `detach`/`attach` need to switch between conversations (the drafter's taps).
-        kv_quantization: mlx-lm's --kv-bits family (cache.KVQuantization)."""
+        kv_quantization: mlx-lm's --kv-bits family (cache.KVQuantization); max_kv_size: its
+        --max-kv-size (cache.BoundedKVCache)."""
         self.settings = dict(num_draft_tokens=num_draft_tokens, sampling=sampling, seed=seed, residual=residual,
                              adaptive=adaptive, policy=policy, stop_early=stop_early, sessions=sessions,
-                             kv_quantization=kv_quantization)
-        self.kv_quantization = kv_quantization
+                             kv_quantization=kv_quantization, max_kv_size=max_kv_size)
+        self.kv_quantization, self.max_kv_size = kv_quantization, max_kv_size
         self.target = target
         self.drafter = drafter or NoDrafter()
         self.speculative = not isinstance(self.drafter, NoDrafter)
@@ -169,7 +170,7 @@ class Engine:
         self.plan = DraftPlan(num_draft_tokens)   # this step's, which --stop-early consults
         self.keep_taps = sessions and bool(self.drafter.taps)
         self.drafter_stale = False   # True: the drafter's state is of another conversation
-        self._attach(Session(cache=make_cache(target.model)))
+        self._attach(Session(cache=make_cache(target.model, max_kv_size)))
         # What the drafter shares with the engine, handed over once: the sampler (it draws with
         # the same noise), the target's cache as it is now, the policy's stopping rule.
         self.drafter.bind(self.sampler, lambda: self.cache, (
@@ -218,7 +219,7 @@ class Engine:
         self.replay = None
 
     def reset(self) -> None:
-        self._attach(Session(cache=make_cache(self.target.model)))
+        self._attach(Session(cache=make_cache(self.target.model, self.max_kv_size)))
 
     def detach(self) -> Session:
         """Hand over the current conversation; the engine starts empty."""
@@ -300,7 +301,8 @@ class Engine:
         if draft.parents is None:
             self.replay = Replay(start) if self.recurrent else None
             forward = self.drafter.verify_forward or self.target.forward
-            logits, taps = forward(inputs[None], self.cache, self.drafter.taps, replay=self.replay)
+            with verification(self.cache):
+                logits, taps = forward(inputs[None], self.cache, self.drafter.taps, replay=self.replay)
             decision = verify_chain(logits[0], drafts, draft.q, self.sampler, len(context))
             mx.eval(decision, drafts)
             return self.settle_chain(context, drafts.tolist(), *decision.tolist(), taps)

@@ -52,7 +52,7 @@ def test_generate_json_matches_the_stream():
     assert "(no drafting)" in err and "tok/s" in err
 
 
-def test_kv_bits_speculates_exactly_and_refuses_trees():
+def test_cache_flags_speculate_exactly_or_say_why_not():
     """mlx-lm's flags: the quantized cache switches at 40 tokens, inside the reply."""
     prompt = "Repeat this list exactly twice: apples, bananas, cherries, dates, elderberries, figs, grapes."
     flags = ["--kv-bits", "4", "--quantized-kv-start", "40", "--max-tokens", "40", "--json"]
@@ -65,6 +65,9 @@ def test_kv_bits_speculates_exactly_and_refuses_trees():
     assert outputs["lookup"]["stats"]["accepted"] > 0
     code, _, err = cli(["generate", "Hi.", "--draft", "eagle", "--tree-budget", "8", *flags])
     assert_one_line_error(code, err, "tree drafts need a plain KV cache, which --kv-bits quantizes")
+    # mlx-lm's llama builds its own cache and does not bound it: said, not silently ignored.
+    code, _, err = cli(["generate", "Hi.", "--max-kv-size", "64", "--max-tokens", "4"])
+    assert code == 0 and "--max-kv-size: this llama model builds its own cache" in err, err
 
 
 def test_generate_reads_stdin():

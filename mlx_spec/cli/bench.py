@@ -4,7 +4,7 @@ import click
 
 from ..drafters import DRAFTERS
 from ..models.target import DTYPES
-from .common import echo_err, kv_cache_options, reports_errors, source_defaults
+from .common import echo_err, cache_options, reports_errors, source_defaults
 
 
 @click.command("bench", short_help="Time draft methods against plain mlx-lm, per prompt category.")
@@ -51,11 +51,11 @@ from .common import echo_err, kv_cache_options, reports_errors, source_defaults
 @click.option("--json", "json_path", default=None, help="Write every per-prompt record here.")
 @click.option("--markdown", "markdown_path", default=None, help="Write the table as Markdown here.")
 @click.option("--plot", "plot_path", default=None, help="Write a PNG plot here (needs matplotlib).")
-@kv_cache_options
+@cache_options
 @reports_errors
 def bench(model_path, revision, dtype, prompts, categories, methods, draft_models, num_draft_tokens,
           tree_budget, tree_topk, exit_layer, suffix_memory, max_tokens, repeats, concurrency, temp, top_p, seed, stop_early, adaptive,
-          residual, json_path, markdown_path, plot_path, kv_bits, kv_group_size, quantized_kv_start):
+          residual, json_path, markdown_path, plot_path, max_kv_size, kv_bits, kv_group_size, quantized_kv_start):
     """Time draft methods side by side with plain mlx_lm.stream_generate (--concurrency N: several
     prompts at once, batched, against mlx-lm's batched generation)."""
     from .. import bench as harness
@@ -94,8 +94,10 @@ def bench(model_path, revision, dtype, prompts, categories, methods, draft_model
     kv_quantization = KVQuantization(kv_bits, kv_group_size, quantized_kv_start) if kv_bits else None
     cache_flags = dict(kv_bits=kv_bits, kv_group_size=kv_group_size, quantized_kv_start=quantized_kv_start) \
         if kv_bits else {}
-    if kv_bits and concurrency:
-        raise MlxSpecError("--concurrency batches plain KV caches: drop --kv-bits")
+    if max_kv_size:
+        cache_flags["max_kv_size"] = max_kv_size
+    if cache_flags and concurrency:
+        raise MlxSpecError("--concurrency batches plain KV caches: drop --kv-bits and --max-kv-size")
     engines, lengths = {}, {}
     for name in names:
         lengths[name] = draft_tokens(name, num_draft_tokens)
@@ -106,7 +108,7 @@ def bench(model_path, revision, dtype, prompts, categories, methods, draft_model
             **{k: v for k, v in given.items() if k in DRAFTERS[name].options.names()}))
         engines[name] = Engine(target, drafter, num_draft_tokens=lengths[name], sampling=sampling, seed=seed,
                                residual=residual, adaptive=adaptive, stop_early=stop_early,
-                               kv_quantization=kv_quantization)
+                               kv_quantization=kv_quantization, max_kv_size=max_kv_size)
     if not engines:
         raise MlxSpecError("--methods names no method")
 

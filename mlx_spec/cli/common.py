@@ -16,9 +16,12 @@ def source_defaults(option: str) -> str:
                      if option in source.options.names())
 
 
-def kv_cache_options(f):
-    """mlx-lm's KV-cache quantization flags, its names and defaults (api.load's arguments)."""
+def cache_options(f):
+    """mlx-lm's KV-cache flags, its names and defaults (api.load's arguments)."""
     options = [
+        click.option("--max-kv-size", type=click.IntRange(8), default=None,
+                     help="Bound the KV cache: the first 4 tokens and a window of the latest (mlx-lm's "
+                          "RotatingKVCache; models that build their own cache keep it)."),
         click.option("--kv-bits", type=int, default=None,
                      help="Quantize the KV cache to this many bits (2, 3, 4, 5, 6, 8; default: no quantization)."),
         click.option("--kv-group-size", type=int, default=64, show_default=True,
@@ -89,7 +92,7 @@ def model_options(f):
     ]
     for option in reversed(options):
         f = option(f)
-    return kv_cache_options(f)
+    return cache_options(f)
 
 
 def reports_errors(f):

@@ -1,8 +1,10 @@
-"""mlx-lm's quantized KV cache (--kv-bits, --kv-group-size, --quantized-kv-start) under
-speculation: the cache switches to QuantizedKVCache where mlx-lm's generate_step switches it,
-a verification pass never crosses the switch, and the output is plain mlx-lm's with the same
-flags, token for token, past the switch (chains from lookup, a draft model and an MTP module);
-trees and sliding windows are refused in one line."""
+"""mlx-lm's cache flags under speculation, token for token as plain mlx-lm with the same flags.
+- Its quantized KV cache (--kv-bits, --kv-group-size, --quantized-kv-start): the cache switches
+  to QuantizedKVCache where mlx-lm's generate_step switches it and a verification pass never
+  crosses the switch (at 2 bits a crossing pass changes the output); chains from lookup, a draft
+  model and an MTP module; trees and sliding windows are refused in one line.
+- Its bounded cache (--max-kv-size: the first 4 positions and a window): verification passes
+  masked as one-token decoding, far past the size, prompts longer than it, conversations."""
 
 import mlx.core as mx
 import pytest
@@ -109,3 +111,43 @@ def test_refusals():
         Engine(windowed, LookupDrafter(), kv_quantization=KV)
     with pytest.raises(MlxSpecError, match="--kv-bits must be"):
         KVQuantization(bits=7)
+
+
+# --- --max-kv-size: mlx-lm's RotatingKVCache(max_kv_size, keep=4) --------------------------------
+
+WINDOW = 16
+
+
+def qwen3_target(seed=0):
+    """mlx-lm's llama builds its own cache (ignoring max_kv_size); its qwen3 does not."""
+    return tiny_target("qwen3", seed=seed, scale=3.0)
+
+
+def mlx_lm_bounded(model, prompt, max_tokens):
+    return [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=max_tokens, max_kv_size=WINDOW)]
+
+
+@pytest.mark.parametrize("source", ["none", "lookup", "draft-model", "same-model"])
+@pytest.mark.parametrize("prompt", [PROMPT, LONG_PROMPT], ids=["short-prompt", "prompt-past-the-window"])
+def test_a_bounded_cache_equals_mlx_lm_past_its_size(tmp_path, source, prompt):
+    target = qwen3_target()
+    drafter = {"none": None, "lookup": LookupDrafter(), "draft-model": DraftModelDrafter(qwen3_target(1), 32),
+               "same-model": DraftModelDrafter(target, 32)}[source]
+    engine = Engine(target, drafter, num_draft_tokens=4, adaptive=False, max_kv_size=WINDOW)
+    tokens, stats = run(engine, prompt, 48)
+    assert tokens == mlx_lm_bounded(target.model, prompt, 48)
+    assert all(type(c).__name__ == "BoundedKVCache" for c in engine.cache)
+    assert source in ("none", "draft-model") or stats.accepted > 0
+
+
+def test_a_bounded_conversation_and_seeded_sampling_equal_draft_none():
+    target = qwen3_target()
+    params = SamplingParams(temp=1.0)
+    plain = Engine(target, max_kv_size=WINDOW, sampling=params, seed=3)
+    model = Engine(target, DraftModelDrafter(target, target.vocab_size), num_draft_tokens=4, adaptive=False,
+                   max_kv_size=WINDOW, sampling=params, seed=3)
+    context = list(PROMPT)
+    for turn in range(3):
+        expected = run(plain, context, 20, seed=turn)[0]
+        assert run(model, context, 20, seed=turn)[0] == expected, turn
+        context += expected + [3, 4]
