@@ -191,6 +191,12 @@ class Engine:
         settings = dict(self.settings, policy=copy.deepcopy(self.policy))
         return type(self)(self.target, self.drafter.spawn(), **settings)
 
+    def with_chain_drafts(self) -> Optional["Engine"]:
+        """An engine with the same settings whose drafter drafts this source's chains (a batch
+        verifies chains); None where the source drafts trees only."""
+        drafter = self.drafter.chains()
+        return None if drafter is None else type(self)(self.target, drafter, **self.settings)
+
     def unbatchable(self) -> Optional[str]:
         """Why this engine's generations cannot share a target pass with others (None: they can)."""
         if self.drafter.tree:

@@ -205,6 +205,26 @@ def test_what_cannot_share_a_pass_is_refused_in_one_line(target):
         BatchEngine([Engine(target), Engine(tiny_target("llama", seed=9))])
 
 
+def test_tree_sources_batch_as_their_chains(target):
+    """A tree source's chains (its trees' best paths) share the pass: EAGLE-3 and suffix."""
+    from mlx_spec.drafters.suffix import SuffixDrafter
+
+    eagle = eagle_target()
+    layer = random_eagle(eagle)
+    layer._target_embed = eagle.embed
+    for model, drafter, prompts in (
+            (eagle, EagleDrafter(layer, eagle.vocab_size, tree_budget=8), [repeated_prompt(12, s) for s in range(3)]),
+            (target, SuffixDrafter(tree_budget=8), PROMPTS)):
+        engine = Engine(model, drafter, num_draft_tokens=4, adaptive=False)
+        assert engine.unbatchable() is not None and drafter.tree
+        chains = engine.with_chain_drafts()
+        assert chains.unbatchable() is None and not chains.drafter.tree
+        results = batch_run(BatchEngine.spawned(chains, 3), [(p, dict(max_tokens=24)) for p in prompts])
+        for i, prompt in enumerate(prompts):
+            assert results[i][0] == plain_greedy(model.model, prompt, 24), (type(drafter).__name__, i)
+        assert sum(stats.proposed for _, stats in results.values()) > 0
+
+
 def test_dflash_and_medusa_rows_match_mlx_lm(tmp_path):
     """The learned chain sources that read the target's features, a batch each, rows of
     different prompts."""

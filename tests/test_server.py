@@ -250,11 +250,11 @@ def test_concurrent_clients_get_their_sequential_outputs(server):
 
 
 def test_sigterm_stops_cleanly():
-    """Also: a source that cannot share a pass (a tree) is served one request at a time, said once."""
+    """Also: a source of trees is batched drafting its chains, said once."""
     process = ServerProcess("--draft", "eagle", "--tree-budget", "8")
     status, _ = process.http("GET", "/health")
     assert status == 200
-    assert any("batching off: tree drafts" in line for line in process.lines), "".join(process.lines)
+    assert any("the batch drafts this source's chains" in line for line in process.lines), "".join(process.lines)
     assert process.stop(signal.SIGTERM) == 0
     process.reader.join(timeout=10)
     assert "stopped" in process.lines[-1] and not any("Traceback" in line for line in process.lines)

@@ -108,6 +108,18 @@ class Drafter:
         memo = {id(getattr(self, name)): getattr(self, name) for name in self.shared}
         return copy.deepcopy(self, memo)
 
+    def chains(self) -> Optional["Drafter"]:
+        """A drafter of the same source and weights that drafts chains (a batch verifies chains
+        only), with a state of its own; None where the source drafts trees only. Tree drafters
+        that can draft chains override it."""
+        return None if self.tree else self.spawn()
+
+    def spawn_without_trees(self) -> "Drafter":
+        """chains() of a source whose chains are its --tree-budget 0 mode."""
+        twin = self.spawn()
+        twin.tree, twin.tree_budget = False, 0
+        return twin
+
     def chain_draws(self, k: int, first_draw, next_draw) -> "Draft":
         """A chain of up to k draws: first_draw(), then next_draw(previous draw) each time,
         stopping early when keep_drafting says the next draft would not pay."""

@@ -41,6 +41,14 @@ class SuffixPlus(Drafter):
         twin.suffix, twin.learned = self.suffix.spawn(), self.learned.spawn()
         return twin
 
+    def chains(self):
+        suffix, learned = self.suffix.chains(), self.learned.chains()
+        if suffix is None or learned is None:
+            return None
+        twin = copy.copy(self)
+        twin.suffix, twin.learned, twin.tree = suffix, learned, False
+        return twin
+
     def prefill(self, context, taps, start):
         self.suffix.prefill(context, taps, start)
         self.learned.prefill(context, taps, start)

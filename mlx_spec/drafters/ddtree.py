@@ -65,6 +65,9 @@ class DDTreeDrafter(DFlashDrafter):
         super().__init__(target, model)
         self.budget, self.topk = budget, topk
 
+    def chains(self):
+        return DFlashDrafter(self.target, self.model)   # DFlash: the block's draws
+
     def propose(self, k):
         n = min(k, self.block_size - 1)
         if n <= 0:

@@ -117,6 +117,9 @@ class EagleDrafter(Drafter):
 
         return self.chain_draws(k, draw, next_draw)
 
+    def chains(self):
+        return self.spawn_without_trees()
+
     def commit(self, accepted, next_token, taps):
         rollback_to(self.cache, len(self.paired))  # drop the speculative entries
         # taps cover [last committed token, accepted drafts]: each pairs with the token after it.

@@ -44,6 +44,9 @@ class MedusaDrafter(Drafter):
         tokens, q, confidence = self.sampler.draw(logits, positions, self.target.vocab_size, ids=self.model.draft_ids)
         return Draft(tokens=tokens, q=q, confidence=confidence)
 
+    def chains(self):
+        return self.spawn_without_trees()
+
     def commit(self, accepted, next_token, taps):
         self._keep(taps)
         self.position += len(accepted) + 1

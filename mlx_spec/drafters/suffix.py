@@ -101,6 +101,11 @@ class SuffixDrafter(Drafter):
         self.tree = tree and tree_budget > 0
         self.index = ContextIndex()
 
+    def chains(self):
+        twin = self.spawn()
+        twin.tree = False    # the tree's most probable path
+        return twin
+
     def prefill(self, context, taps, start):
         self.index = ContextIndex()
         for token in context:

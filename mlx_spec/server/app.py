@@ -74,13 +74,17 @@ class Worker(threading.Thread):
             self.loaded.set()
             return
         self.tokenizer = self.engine.target.tokenizer
-        self.sessions = SessionCache(self.engine, self.max_sessions, self.max_cache_bytes)
         if self.max_batch > 1:
             reason = self.engine.unbatchable()
+            chains = self.engine.with_chain_drafts() if self.engine.drafter.tree else None
+            if reason is not None and chains is not None and chains.unbatchable() is None:
+                self.log(f"{reason}: the batch drafts this source's chains (its trees' best paths)")
+                self.engine, reason = chains, None
             if reason is None:
                 self.batch = BatchEngine.spawned(self.engine, self.max_batch)
             else:
                 self.log(f"batching off: {reason}; requests run one at a time")
+        self.sessions = SessionCache(self.engine, self.max_sessions, self.max_cache_bytes)
         self.loaded.set()
         if self.batch is not None:
             self._serve_batched()
