@@ -166,3 +166,12 @@ def test_converted_and_quantized_heads_load(target, tmp_path):
     assert np.abs(np.array(model(mx.ones((1, 64)), HEADS)) - floats).max() < 0.05 * np.abs(floats).max()
     engine = Engine(target, MedusaDrafter(target, model), num_draft_tokens=3, adaptive=False)
     assert run(engine, PROMPT, 20)[0] == plain_greedy(target.model, PROMPT, 20)
+    # A reduced draft vocabulary goes along, over the quantized heads' rows.
+    from mlx_spec.models import vocabulary
+
+    vocabulary.write(source, np.arange(0, 32, 2))
+    out = convert_drafter(source, tmp_path / "q8v", target, quantize=True, q_bits=8, q_group_size=32)
+    model = load_medusa(out, target)
+    assert model.draft_ids.tolist() == list(range(0, 32, 2))
+    engine = Engine(target, MedusaDrafter(target, model), num_draft_tokens=3, adaptive=False)
+    assert run(engine, PROMPT, 20)[0] == plain_greedy(target.model, PROMPT, 20)

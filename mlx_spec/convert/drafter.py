@@ -8,13 +8,14 @@ affine scheme, recorded as its "quantization" entry, which the loaders honour). 
 loaded for the target first and again before it is moved into place: a drafter made for another
 target, or one that does not load, is refused in one line and nothing is written."""
 
+import shutil
 from pathlib import Path
 from typing import Callable, Optional
 
 import mlx.core as mx
 
 from ..errors import MlxSpecError
-from ..models.checkpoint import FLOAT_DTYPES, KINDS, checkpoint_kind, read_config, read_weights
+from ..models.checkpoint import DRAFT_VOCABULARY, FLOAT_DTYPES, KINDS, checkpoint_kind, read_config, read_weights
 from .output import check_output, write_dir, write_json
 
 
@@ -62,6 +63,8 @@ def convert_drafter(path, mlx_path, target, dtype: Optional[str] = None, quantiz
     def fill(tmp: Path) -> None:
         write_json(tmp / "config.json", config)
         mx.save_safetensors(str(tmp / "model.safetensors"), weights, metadata={"format": "mlx"})
+        if (path / DRAFT_VOCABULARY).is_file():   # a reduced draft vocabulary goes along
+            shutil.copyfile(path / DRAFT_VOCABULARY, tmp / DRAFT_VOCABULARY)
         if progress:
             progress(2, 3, "written")
         try:   # what was written loads too
