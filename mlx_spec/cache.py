@@ -256,10 +256,31 @@ class Replay:
         return True
 
 
-def rollback_to(cache: List[Any], length: int, replay: Optional[Replay] = None) -> bool:
+class Snapshots:
+    """The recurrent layers' states at chosen lengths, for a cache that is fed one position at a
+    time (a draft model drafting): references, since mlx arrays are never changed in place, so
+    a snapshot costs nothing and restoring one is exact. Rolls back like a Replay (rollback_to),
+    to a length where a snapshot was taken."""
+
+    def __init__(self):
+        self.saved = {}
+
+    def take(self, cache: Sequence[Any], length: int) -> None:
+        self.saved[length] = [(c, list(c.cache)) for c in _layers(cache) if isinstance(c, ArraysCache)]
+
+    def roll_back(self, length: int) -> bool:
+        if length not in self.saved:
+            return False
+        for c, state in self.saved[length]:
+            c.cache = list(state)
+        return True
+
+
+def rollback_to(cache: List[Any], length: int, replay=None) -> bool:
     """Keep the first `length` positions of every layer's cache (per layer, so that a step
     interrupted half-way through its layers is repaired too). Recurrent layers roll back
-    through the Replay of the last pass, when `length` falls inside it. False when some layer
+    through the Replay of the last pass, when `length` falls inside it (or Snapshots taken at
+    `length`). False when some layer
     cannot roll back exactly (no replay, a window or chunk moved past them): the caller then
     starts from a new cache. A recurrent layer does not know its length: call this only when
     something is to be dropped."""

@@ -95,8 +95,8 @@ def engine_for(arch, target, drafter, k):
 
 
 def draft_model_for(arch):
-    """A draft model of the same architecture, but for recurrent ones (refused as draft models)."""
-    return target_of(arch) if arch in WINDOWED else tiny_target("llama", seed=4, scale=3.0)
+    """A draft model of the same architecture (seeded otherwise)."""
+    return target_of(arch, seed=4)
 
 
 @pytest.mark.parametrize("arch", list(WINDOWED) + list(RECURRENT))
@@ -231,18 +231,41 @@ def leaves(cache):
         yield from (leaves(c.caches) if isinstance(c, CacheList) else [c])
 
 
-@pytest.mark.parametrize("arch", ["qwen3_next", "mamba2"])
-def test_recurrent_refusals(arch):
-    """A recurrent draft model (its drafts are fed one at a time, with no replay kept) and
-    trees on recurrent layers (one state cannot hold several branches) are refused."""
+@pytest.mark.parametrize("arch", list(RECURRENT))
+def test_a_recurrent_model_drafts_for_itself(arch):
+    """A recurrent or hybrid draft model rolls its state back to a snapshot taken before each
+    draft: drafting for itself, every draft is accepted (tau 5 with 4 drafts), greedy and over
+    a second turn; a smaller model of the same vocabulary drafts exactly too; seeded sampling
+    prints what --draft none prints."""
+    from mlx_spec.sampling import SamplingParams
+
     target = target_of(arch)
-    with pytest.raises(MlxSpecError, match=f"a draft model cannot roll back the ArraysCache of this {arch}"):
-        DraftModelDrafter(target, 32)
+    engine = NoRebuild(target, DraftModelDrafter(target, 32), num_draft_tokens=4, adaptive=False)
+    expected = plain_greedy(target.model, PROMPT, 41)
+    tokens, stats = run(engine, PROMPT, 41)
+    assert tokens == expected and stats.proposed == stats.accepted == 32 and stats.steps == 9
+    more = PROMPT + tokens + [3, 4]
+    tokens, stats = run(engine, more, 21)
+    assert tokens == plain_greedy(target.model, more, 21) and stats.accepted == stats.proposed == 16
+    small = tiny_target(arch, seed=7, scale=3.0, **{**RECURRENT[arch], "hidden_size": 32}) \
+        if arch != "mamba2" else target_of(arch, seed=7)
+    engine = NoRebuild(target, DraftModelDrafter(small, 32), num_draft_tokens=3, adaptive=False)
+    assert run(engine, PROMPT, 30)[0] == plain_greedy(target.model, PROMPT, 30)
+    params = SamplingParams(temp=1.0)
+    plain = run(Engine(target, sampling=params, seed=5), PROMPT, 24)[0]
+    engine = NoRebuild(target, DraftModelDrafter(target, 32), num_draft_tokens=4, sampling=params, seed=5,
+                       adaptive=False)
+    assert run(engine, PROMPT, 24)[0] == plain
+
+
+def test_trees_on_recurrent_layers_are_refused():
+    """One state cannot hold several branches."""
+    target = target_of("qwen3_next")
 
     class TreeDrafter(LookupDrafter):
         tree = True
 
-    with pytest.raises(MlxSpecError, match=f"tree drafts need a plain KV cache; this {arch} model"):
+    with pytest.raises(MlxSpecError, match="tree drafts need a plain KV cache; this qwen3_next model"):
         Engine(target, TreeDrafter())
 
 

@@ -9,7 +9,7 @@ from typing import List
 
 import mlx.core as mx
 
-from ..cache import check_speculation, common_prefix_length, make_cache, rollback_to
+from ..cache import Snapshots, check_speculation, common_prefix_length, is_recurrent, make_cache, rollback_to
 from ..errors import MlxSpecError
 from .base import Draft, Drafter
 
@@ -40,7 +40,11 @@ class DraftModelDrafter(Drafter):
         self.draft = draft
         self.vocab_size = vocab_size        # the target's: q is padded to it
         self.cache = make_cache(draft.model)
-        check_speculation(self.cache, draft.model_type, "a draft model", replayed=False)
+        check_speculation(self.cache, draft.model_type, "a draft model")
+        # Recurrent layers (a hybrid or Mamba draft model) roll back to a snapshot of their
+        # state, taken before each draft position: the drafts are fed one at a time.
+        self.recurrent = any(is_recurrent(c) for c in self.cache)
+        self.snapshots = Snapshots()
         self.context: List[int] = []        # committed tokens
         self.cached: List[int] = []         # tokens whose K/V are in self.cache
         self.pending = None                 # the last drafts (lazy until verification)
@@ -48,13 +52,20 @@ class DraftModelDrafter(Drafter):
     def _feed(self, tokens: List[int]):
         logits, _ = self.draft.forward(mx.array(tokens)[None], self.cache)
         self.cached += tokens
+        self._snapshot(len(self.cached))
         return logits
+
+    def _snapshot(self, length: int) -> None:
+        if self.recurrent:
+            self.snapshots.take(self.cache, length)
 
     def _roll_back(self, length: int) -> None:
         """As the engine's: a cache that cannot roll back exactly (a sliding window that has
         rotated past the drafts) starts again empty and is refilled at the next propose."""
         # Also where nothing committed is dropped: an interrupted step leaves drafts past it.
-        if not rollback_to(self.cache, length):
+        # A recurrent state does not know its length: there only a real drop goes through it.
+        dropped = length < len(self.cached) or not self.recurrent
+        if dropped and not rollback_to(self.cache, length, self.snapshots):
             self.cache, length = make_cache(self.draft.model), 0
         self.cached = self.cached[:length]
 
@@ -68,6 +79,8 @@ class DraftModelDrafter(Drafter):
         if k == 0:
             return Draft()
         position = len(self.context)   # of the next draft
+        self.snapshots = Snapshots()
+        fed = len(self.context) - 1       # positions in the cache once the context is fed
 
         def draw(logits):
             nonlocal position
@@ -75,7 +88,11 @@ class DraftModelDrafter(Drafter):
             return self.sampler.draw(logits[0, -1:, :self.vocab_size], [position - 1], self.vocab_size)
 
         def next_draw(previous):  # feeds the previous draft, lazily: no sync unless stopping early
-            return draw(self.draft.forward(previous[0][None], self.cache)[0])
+            nonlocal fed
+            logits = self.draft.forward(previous[0][None], self.cache)[0]
+            fed += 1
+            self._snapshot(fed)
+            return draw(logits)
 
         draft = self.chain_draws(k, lambda: draw(self._feed(self.context[len(self.cached):])), next_draw)
         self.pending = draft.tokens
