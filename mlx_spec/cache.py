@@ -154,11 +154,11 @@ def holds_trees(cache: Sequence[Any]) -> bool:
 def check_tree(cache: Sequence[Any], model_type: str, kv_quantization=None) -> None:
     if kv_quantization:
         raise MlxSpecError("tree drafts need a plain KV cache, which --kv-bits quantizes: draft a chain "
-                           "(no --tree-budget) or drop --kv-bits")
+                           "(--tree-budget 0) or drop --kv-bits")
     kinds = _not_plain(cache)
     if kinds:
         raise MlxSpecError(f"tree drafts need a plain KV cache; this {model_type} model uses "
-                           f"{', '.join(kinds)}: draft a chain (no --tree-budget)")
+                           f"{', '.join(kinds)}: draft a chain (--tree-budget 0)")
 
 
 def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
