@@ -99,15 +99,18 @@ def test_harness_catches_a_broken_rule(setup, broken, below):
 
 
 def test_exact_sampling_on_a_hybrid_target():
-    """Qwen3-Next-shaped (Gated DeltaNet, then attention): rejected drafts are rolled back by
-    replaying the recurrent layer (cache.Replay); the sampled output stays the target's."""
+    """Qwen3-Next-shaped (Gated DeltaNet, then attention), drafted for by another of the same
+    shape: rejected drafts are rolled back by replaying the recurrent layer (cache.Replay); the
+    sampled output stays the target's, under the residual rule (the draft model's q)."""
     hybrid = dict(head_dim=16, linear_num_value_heads=2, linear_num_key_heads=2, linear_key_head_dim=8,
                   linear_value_head_dim=8, linear_conv_kernel_dim=4, num_experts=0, num_experts_per_tok=0,
                   decoder_sparse_step=1, shared_expert_intermediate_size=32, mlp_only_layers=[0, 1],
                   moe_intermediate_size=32, partial_rotary_factor=0.25, full_attention_interval=2)
     target = tiny_target("qwen3_next", vocab_size=VOCAB, seed=11, scale=2.5, num_layers=2, hidden_size=32, **hybrid)
+    # A hybrid pair: the draft model's own recurrent state rolls back to its snapshots.
+    draft = tiny_target("qwen3_next", vocab_size=VOCAB, seed=12, scale=2.5, num_layers=2, hidden_size=32, **hybrid)
     prompt, params = repeated_prompt(), SamplingParams(temp=1.0)
-    engine = Engine(target, DraftModelDrafter(harness_model(12), VOCAB), num_draft_tokens=3, sampling=params,
-                    adaptive=False)
+    engine = Engine(target, DraftModelDrafter(draft, VOCAB), num_draft_tokens=3, sampling=params,
+                    residual=True, adaptive=False)
     pvalue = sampling_pvalue(engine, prompt, params)
     assert pvalue > STRICT, f"p = {pvalue:.2e}"
