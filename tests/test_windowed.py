@@ -256,6 +256,30 @@ def test_a_recurrent_model_drafts_for_itself(arch):
     assert run(engine, PROMPT, 24)[0] == plain
 
 
+@pytest.mark.parametrize("arch", ["mamba2", "qwen3_next"])
+def test_a_recurrent_draft_model_rolls_back_to_the_accepted_drafts(arch):
+    """After a step that accepts the first of its drafts, the draft model's recurrent state is
+    the one of a plain pass over the context and that draft (its snapshot), not a later one."""
+    from mlx_lm.models.cache import ArraysCache
+
+    from mlx_spec.cache import make_cache
+    from mlx_spec.sampling import Sampler
+
+    target = target_of(arch)
+    drafter = DraftModelDrafter(target, 32)
+    drafter.bind(Sampler(), lambda: None)
+    drafter.prefill(PROMPT, {}, 0)
+    drafts = drafter.propose(4).tokens.tolist()
+    drafter.commit(drafts[:1], (drafts[1] + 1) % 32, {})
+    plain = make_cache(target.model)
+    target.model(mx.array(PROMPT + drafts[:1])[None], cache=plain)
+    layers = [(a, b) for a, b in zip(leaves(drafter.cache), leaves(plain)) if isinstance(a, ArraysCache)]
+    assert layers and len(drafter.cached) == len(PROMPT) + 1
+    for kept, expected in layers:
+        for x, y in zip(kept.cache, expected.cache):
+            assert np.allclose(np.array(x), np.array(y), atol=1e-4)
+
+
 def test_trees_on_recurrent_layers_are_refused():
     """One state cannot hold several branches."""
     target = target_of("qwen3_next")

@@ -80,7 +80,7 @@ class DraftModelDrafter(Drafter):
             return Draft()
         position = len(self.context)   # of the next draft
         self.snapshots = Snapshots()
-        fed = len(self.context) - 1       # positions in the cache once the context is fed
+        fed = len(self.context)           # positions in the cache once the context is fed
 
         def draw(logits):
             nonlocal position
