@@ -141,24 +141,26 @@ def check_speculation(cache: Sequence[Any], model_type: str, what: str = "specul
                            "(recurrent layers); use --draft none")
 
 
-def _not_plain(cache: Sequence[Any]) -> List[str]:
-    return sorted({type(c).__name__ for c in _layers(cache) if type(c) is not KVCache})
+def _not_for_trees(cache: Sequence[Any]) -> List[str]:
+    """The kinds of the cache's layers that cannot hold a tree: tree verification writes every
+    node's K/V, then moves the accepted path's rows into place (tree.compact), which needs one
+    row per position as in a plain KVCache; a recurrent layer runs the tree one depth at a
+    time (tree.recurrent_by_depth). A layer with both (a CacheList) cannot."""
+    return sorted({type(c).__name__ for c in cache if type(c) is not KVCache and not isinstance(c, ArraysCache)})
 
 
 def holds_trees(cache: Sequence[Any]) -> bool:
-    """Tree verification writes every node's K/V, then moves the accepted path's rows into
-    place (tree.compact): that needs one row per position, as in a plain KVCache."""
-    return not _not_plain(cache)
+    return not _not_for_trees(cache)
 
 
 def check_tree(cache: Sequence[Any], model_type: str, kv_quantization=None) -> None:
     if kv_quantization:
         raise MlxSpecError("tree drafts need a plain KV cache, which --kv-bits quantizes: draft a chain "
                            "(--tree-budget 0) or drop --kv-bits")
-    kinds = _not_plain(cache)
+    kinds = _not_for_trees(cache)
     if kinds:
-        raise MlxSpecError(f"tree drafts need a plain KV cache; this {model_type} model uses "
-                           f"{', '.join(kinds)}: draft a chain (--tree-budget 0)")
+        raise MlxSpecError(f"tree drafts need plain KV caches or recurrent layers; this {model_type} model "
+                           f"uses {', '.join(kinds)}: draft a chain (--tree-budget 0)")
 
 
 def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
@@ -231,6 +233,13 @@ class Replay:
         self.start = start        # positions cached before the pass
         self.fed = 0              # positions the pass fed
         self.calls = []
+        self.rows = None          # the pass's positions in the order kept (None: as fed)
+
+    def follow(self, rows: Sequence[int]) -> None:
+        """Keep these of the pass's positions, in this order, instead of a prefix of them: a
+        tree pass's accepted path (the state after it is the state after those inputs)."""
+        self.rows = mx.array(list(rows))
+        self.fed = len(rows)
 
     def record(self, layer, x, args, kwargs, cache) -> None:
         saved = [(c, list(c.cache) if isinstance(c, ArraysCache) else c.offset) for c in _layers([cache])]
@@ -250,7 +259,8 @@ class Replay:
                 elif not _rollback_layer(c, state):
                     return False
             if keep:
-                layer(x[:, :keep], *(_keep_rows(a, keep, self.fed) for a in args),
+                kept = x[:, :keep] if self.rows is None else x[:, self.rows[:keep]]
+                layer(kept, *(_keep_rows(a, keep, self.fed) for a in args),
                       **{k: _keep_rows(v, keep, self.fed) for k, v in kwargs.items()})
         mx.eval(states)
         return True

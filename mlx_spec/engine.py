@@ -304,8 +304,8 @@ class Engine:
         drafts = draft.tokens if isinstance(draft.tokens, mx.array) else mx.array(draft.tokens, mx.int32)
         inputs = mx.concatenate([mx.array(context[-1:], mx.int32), drafts])
         start = len(context) - 1
+        self.replay = Replay(start) if self.recurrent else None
         if draft.parents is None:
-            self.replay = Replay(start) if self.recurrent else None
             forward = self.drafter.verify_forward or self.target.forward
             with verification(self.cache):
                 logits, taps = forward(inputs[None], self.cache, self.drafter.taps, replay=self.replay)
@@ -313,11 +313,11 @@ class Engine:
             mx.eval(decision, drafts)
             return self.settle_chain(context, drafts.tolist(), *decision.tolist(), taps)
         tree = Tree(draft.parents)
-        logits, taps = tree_forward(self.target, inputs, tree, self.cache, self.drafter.taps)
+        logits, taps = tree_forward(self.target, inputs, tree, self.cache, self.drafter.taps, self.replay)
         mx.eval(logits, drafts)
         drafts = drafts.tolist()
         nodes, next_token = verify_tree(logits[0], drafts, tree, self.sampler, draft.q, len(context))
-        compact(self.cache, start, nodes)
+        compact(self.cache, start, nodes, self.replay)
         path = [node - 1 for node in nodes[1:]]
         self.cached_tokens = context + [drafts[i] for i in path]
         return self._kept(context, drafts, path, next_token, taps, mx.array(nodes))

@@ -104,30 +104,66 @@ class DepthRope(nn.Module):
              for depth, start, end in self.groups], axis=-2)
 
 
-def tree_forward(target, tokens: mx.array, tree: Tree, cache, taps=()):
-    """One target pass over the tree nodes (tokens [n]): (logits [1, n, V], taps)."""
-    context_length = cache[0].offset
-    attentions = [layer.self_attn for layer in target.layers]
-    originals = [attention.rope for attention in attentions]
+def tree_forward(target, tokens: mx.array, tree: Tree, cache, taps=(), replay=None):
+    """One target pass over the tree nodes (tokens [n]): (logits [1, n, V], taps). Attention
+    layers see the tree through the mask; recurrent layers run one depth at a time
+    (`recurrent_by_depth`); `replay` (cache.Replay) records them for `compact`."""
+    from .cache import is_recurrent
+
+    context_length = next((c.offset for c in cache if not is_recurrent(c)), 0)   # 0: no attention
     groups = tree.depth_groups()
+    # Each attention's rope (any rope variant) runs once per depth group; recurrent layers have none.
+    attentions = [m for layer, c in zip(target.layers, cache) if not is_recurrent(c)
+                  for _, m in layer.named_modules() if isinstance(getattr(m, "rope", None), nn.Module)]
+    originals = [attention.rope for attention in attentions]
     try:
         for attention, rope in zip(attentions, originals):
             attention.rope = DepthRope(rope, groups)
-        return target.forward(tokens[None], cache, taps, mask=tree.attention_mask(context_length))
+        return target.forward(tokens[None], cache, taps, mask=tree.attention_mask(context_length),
+                              replay=replay, recurrent=lambda call, x, c: recurrent_by_depth(tree, call, x, c))
     finally:
         for attention, rope in zip(attentions, originals):
             attention.rope = rope
 
 
-def compact(cache, start: int, path: Sequence[int]) -> None:
+def recurrent_by_depth(tree: Tree, call, x: mx.array, cache) -> mx.array:
+    """A recurrent layer over the tree's nodes (x [1, n, H]): a node's state is its parent's
+    advanced by the node's input, so the layer runs once per depth, over that depth's nodes
+    as a batch of one-position sequences, each from its parent's state (gathered from the
+    depth before). call(inputs, cache) runs the layer. The cache keeps its state (the
+    accepted path's is set by `compact`)."""
+    import copy
+
+    outputs, states, previous = [], list(cache.cache), 0
+    for depth, start, end in tree.depth_groups():
+        if depth:   # each node's parent, among the nodes of the depth before
+            index = mx.array([tree.parents[i] - previous for i in range(start, end)])
+            states = [None if s is None else s[index] for s in states]
+        nodes = copy.copy(cache)
+        nodes.cache = list(states)
+        outputs.append(call(x[0, start:end, None], nodes)[:, 0])
+        states, previous = nodes.cache, start
+    return mx.concatenate(outputs)[None]
+
+
+def compact(cache, start: int, path: Sequence[int], replay=None) -> None:
     """Move the K/V rows of the accepted path's nodes (tree node indices, written at
-    start + node) to start, start + 1, ...; the cache then ends after the path."""
+    start + node) to start, start + 1, ...; the cache then ends after the path. Recurrent
+    layers take the path's state from the pass's replay (cache.Replay.follow)."""
+    from .cache import is_recurrent
+
     rows = mx.array([start + node for node in path])
+    end = start + len(path)
     for c in cache:
-        end = start + len(path)
+        if is_recurrent(c):
+            continue
         c.keys[..., start:end, :] = c.keys[..., rows, :]
         c.values[..., start:end, :] = c.values[..., rows, :]
         c.offset = end
+    if replay is not None:
+        replay.follow(path)
+        if not replay.roll_back(end):
+            raise RuntimeError("a tree's replay could not follow its path")   # a bug, never input
 
 
 def verify_tree(logits: mx.array, tokens: Sequence[int], tree: Tree, sampler, q: Optional[mx.array],

@@ -1,6 +1,7 @@
 """Sampled output of every draft source is distributed exactly as the target's."""
 
 import mlx.core as mx
+import numpy as np
 import pytest
 from exactness import STRICT, VOCAB, repeated_prompt, sampling_pvalue
 from tiny import tiny_target
@@ -98,19 +99,28 @@ def test_harness_catches_a_broken_rule(setup, broken, below):
     assert sampling_pvalue(engine, prompt, params) < below
 
 
-def test_exact_sampling_on_a_hybrid_target():
-    """Qwen3-Next-shaped (Gated DeltaNet, then attention), drafted for by another of the same
-    shape: rejected drafts are rolled back by replaying the recurrent layer (cache.Replay); the
-    sampled output stays the target's, under the residual rule (the draft model's q)."""
+@pytest.mark.parametrize("source", ["draft-model", "tree"])
+def test_exact_sampling_on_a_hybrid_target(source):
+    """Qwen3-Next-shaped (Gated DeltaNet, then attention). Drafted for by another of the same
+    shape: rejected drafts are rolled back by replaying the recurrent layer (cache.Replay), the
+    draft model's own state rolls back to its snapshots. Drafted as a tree of i.i.d. siblings:
+    the recurrent layer runs the tree one depth at a time and keeps the accepted path's state.
+    The sampled output stays the target's, under the residual rule."""
+    from test_tree import FixedTreeDrafter
+
     hybrid = dict(head_dim=16, linear_num_value_heads=2, linear_num_key_heads=2, linear_key_head_dim=8,
                   linear_value_head_dim=8, linear_conv_kernel_dim=4, num_experts=0, num_experts_per_tok=0,
                   decoder_sparse_step=1, shared_expert_intermediate_size=32, mlp_only_layers=[0, 1],
                   moe_intermediate_size=32, partial_rotary_factor=0.25, full_attention_interval=2)
     target = tiny_target("qwen3_next", vocab_size=VOCAB, seed=11, scale=2.5, num_layers=2, hidden_size=32, **hybrid)
-    # A hybrid pair: the draft model's own recurrent state rolls back to its snapshots.
-    draft = tiny_target("qwen3_next", vocab_size=VOCAB, seed=12, scale=2.5, num_layers=2, hidden_size=32, **hybrid)
+    if source == "tree":
+        q = np.random.default_rng(3).dirichlet(np.ones(VOCAB)).astype(np.float32)
+        drafter = FixedTreeDrafter([0, 0, 1, 2], q / q.sum())
+    else:
+        draft = tiny_target("qwen3_next", vocab_size=VOCAB, seed=12, scale=2.5, num_layers=2, hidden_size=32,
+                            **hybrid)
+        drafter = DraftModelDrafter(draft, VOCAB)
     prompt, params = repeated_prompt(), SamplingParams(temp=1.0)
-    engine = Engine(target, DraftModelDrafter(draft, VOCAB), num_draft_tokens=3, sampling=params,
-                    residual=True, adaptive=False)
+    engine = Engine(target, drafter, num_draft_tokens=3, sampling=params, residual=True, adaptive=False)
     pvalue = sampling_pvalue(engine, prompt, params)
     assert pvalue > STRICT, f"p = {pvalue:.2e}"

@@ -160,13 +160,15 @@ def test_greedy_output_is_the_targets_trees_chains_and_memory(tmp_path):
     assert with_memory[1].accepted >= without[1].accepted + 20
 
 
-def test_a_recurrent_target_gets_chains():
+@pytest.mark.parametrize("arch, tree", [("qwen3_next", True), ("gemma3_text", False)])
+def test_trees_where_the_cache_holds_them(arch, tree):
+    """Recurrent layers hold trees (one depth at a time); a sliding window does not: chains."""
     from mlx_spec.drafters import make_drafter
     from test_windowed import target_of
 
-    target = target_of("qwen3_next")
+    target = target_of(arch)
     drafter = make_drafter("suffix", target, {"suffix_memory": "off"})
-    assert not drafter.tree
+    assert drafter.tree == tree
     tokens, stats = run(Engine(target, drafter, num_draft_tokens=4, adaptive=False), PROMPT, 30)
     assert tokens == plain_greedy(target.model, PROMPT, 30) and stats.proposed > 0
 

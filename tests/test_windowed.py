@@ -280,15 +280,123 @@ def test_a_recurrent_draft_model_rolls_back_to_the_accepted_drafts(arch):
             assert np.allclose(np.array(x), np.array(y), atol=1e-4)
 
 
-def test_trees_on_recurrent_layers_are_refused():
-    """One state cannot hold several branches."""
-    target = target_of("qwen3_next")
+TREE_ARCHS = ["qwen3_next", "qwen3_5", "mamba2", "lfm2"]   # falcon_h1: attention and Mamba in one layer
 
+
+def layers_equal(cache, plain, length):
+    """Every layer's cache as a plain run's over `length` tokens: attention rows up to the
+    offset, recurrent conv and SSM states."""
+    for ours, theirs in zip(leaves(cache), leaves(plain)):
+        if hasattr(ours, "offset"):
+            assert ours.offset == theirs.offset == length
+            pairs = [(ours.keys[..., :length, :], theirs.keys[..., :length, :]),
+                     (ours.values[..., :length, :], theirs.values[..., :length, :])]
+        else:
+            pairs = list(zip(ours.cache, theirs.cache))
+        for a, b in pairs:
+            assert np.allclose(np.array(a), np.array(b), atol=1e-4)
+
+
+@pytest.mark.parametrize("arch", TREE_ARCHS)
+def test_a_tree_pass_over_recurrent_layers_equals_plain_paths(arch):
+    """Recurrent layers run the tree one depth at a time, each node from its parent's state:
+    every node's logits are a plain pass's over its path; after compaction to the accepted
+    path, every layer's cache equals a plain pass over the context and that path."""
+    from test_tree import PARENTS
+
+    from mlx_spec.cache import Replay, make_cache
+    from mlx_spec.tree import Tree, compact, tree_forward
+
+    target, tree = target_of(arch), Tree(PARENTS)
+    context, tokens = PROMPT[:7], [7, 8, 9, 10, 11, 12, 13]
+    node_tokens = [context[-1]] + tokens
+    for accepted in (7, 6, 3, 0):   # paths of depth 3, 2, 1 and the root alone
+        cache = make_cache(target.model)
+        target.forward(mx.array(context[:-1])[None], cache)
+        replay = Replay(len(context) - 1)
+        logits, _ = tree_forward(target, mx.array(node_tokens), tree, cache, taps=(1,), replay=replay)
+        for node in range(len(tree)):
+            path = [node_tokens[i] for i in tree.path_to(node)]
+            plain = target.model(mx.array(context[:-1] + path)[None])[0, -1]
+            assert np.allclose(np.array(logits[0, node]), np.array(plain), atol=1e-4), (arch, node)
+        path = tree.path_to(accepted)
+        compact(cache, len(context) - 1, path, replay)
+        plain = make_cache(target.model)
+        target.model(mx.array(context[:-1] + [node_tokens[i] for i in path])[None], cache=plain)
+        layers_equal(cache, plain, len(context) - 1 + len(path))
+        # A later rollback inside the path (drafts past EOS or max tokens) is exact too.
+        assert rollback_to(cache, len(context), replay)
+        plain = make_cache(target.model)
+        target.model(mx.array(context)[None], cache=plain)
+        layers_equal(cache, plain, len(context))
+
+
+@pytest.mark.parametrize("arch", TREE_ARCHS)
+def test_tree_drafts_on_recurrent_targets_are_token_identical(arch):
+    """A tree whose first path is right: greedy output identical to plain mlx-lm over two
+    turns, the whole path accepted, and after every step each layer's cache is a plain
+    pass's over the tokens it holds."""
+    from test_tree import ScriptedTreeDrafter
+
+    target = target_of(arch, seed=3)
+    expected = plain_greedy(target.model, PROMPT, 41)
+    engine = NoRebuild(target, ScriptedTreeDrafter(expected, 32), num_draft_tokens=8, adaptive=False)
+    tokens = []
+    for event in engine.generate(PROMPT, max_tokens=41):
+        if event[0] == "token":
+            tokens.append(event[1])
+        elif event[0] == "step":
+            plain = target.model.make_cache()
+            target.model(mx.array(engine.cached_tokens)[None], cache=plain)
+            layers_equal(engine.cache, plain, len(engine.cached_tokens))
+        elif event[0] == "done":
+            stats = event[1]
+    assert tokens == expected and stats.tokens_per_step > 3.5
+    # 41 tokens end inside a step's path: its last drafts were dropped by a rollback.
+    more = PROMPT + tokens + [3, 4]
+    reference = plain_greedy(target.model, more, 20)
+    engine.drafter = ScriptedTreeDrafter(reference, 32)
+    assert run(engine, more, 20)[0] == reference
+
+
+def test_learned_tree_sources_on_a_hybrid_target(tmp_path):
+    """EAGLE-3's tree, DDTree, Medusa's tree and suffix decoding's trees over Qwen3-Next's
+    Gated DeltaNet and attention layers: token-identical to plain mlx-lm."""
+    from test_dflash import random_dflash
+    from test_eagle import random_eagle, save_eagle
+    from test_medusa import random_heads, write
+
+    from mlx_spec.drafters.ddtree import DDTreeDrafter
+    from mlx_spec.drafters.eagle import EagleDrafter
+    from mlx_spec.drafters.medusa import MedusaDrafter
+    from mlx_spec.drafters.suffix import SuffixDrafter
+    from mlx_spec.models.eagle3 import load_eagle3
+    from mlx_spec.models.medusa import load_medusa
+
+    target = target_of("qwen3_next")
+    expected = plain_greedy(target.model, PROMPT, 30)
+    eagle = random_eagle(target, seed=5, scale=2.0, hidden_size=target.hidden_size, aux_layer_ids=[0, 1, 2])
+    eagle = load_eagle3(save_eagle(eagle, tmp_path / "eagle", "speculators"), target)
+    dflash = random_dflash(tmp_path, target, num_layers=1, target_layer_ids=(0, 1), block_size=8)[0]
+    medusa = load_medusa(write(tmp_path / "medusa", random_heads(target.hidden_size, 32)), target)
+    drafters = (EagleDrafter(eagle, target.vocab_size, tree_budget=12, tree_topk=3),
+                DDTreeDrafter(target, dflash, budget=12, topk=3),
+                MedusaDrafter(target, medusa, tree_budget=12, tree_topk=3), SuffixDrafter(12, None, tree=True))
+    for drafter in drafters:
+        assert drafter.tree
+        tokens, stats = run(NoRebuild(target, drafter, num_draft_tokens=4, adaptive=False), PROMPT, 30)
+        assert tokens == expected, type(drafter).__name__
+        assert stats.drafted > 0
+
+
+def test_trees_over_attention_and_mamba_in_one_layer_are_refused():
+    """Falcon-H1's layers hold attention and Mamba together (a CacheList): one line, no token."""
     class TreeDrafter(LookupDrafter):
         tree = True
 
-    with pytest.raises(MlxSpecError, match="tree drafts need a plain KV cache; this qwen3_next model"):
-        Engine(target, TreeDrafter())
+    with pytest.raises(MlxSpecError, match="tree drafts need plain KV caches or recurrent layers; this falcon_h1 "
+                                           "model uses CacheList"):
+        Engine(target_of("falcon_h1"), TreeDrafter())
 
 
 def test_rotating_rollback_equals_a_plain_run():
@@ -320,5 +428,5 @@ def test_trees_need_a_plain_kv_cache():
     class TreeDrafter(LookupDrafter):
         tree = True
 
-    with pytest.raises(MlxSpecError, match="tree drafts need a plain KV cache; this gemma3_text model"):
+    with pytest.raises(MlxSpecError, match="tree drafts need plain KV caches or recurrent layers; this gemma3_text model"):
         Engine(target_of("gemma3_text"), TreeDrafter())

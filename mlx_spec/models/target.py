@@ -21,31 +21,39 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tiktoken.
 
 class _TapLayer:
     """Stands in for a decoder layer during one forward: records its input/output and,
-    for tree passes, replaces the mask the model built with the caller's."""
+    for tree passes, replaces the mask the model built with the caller's and hands recurrent
+    layers to the tree's own runner (one state cannot hold several branches)."""
 
-    def __init__(self, layer, index, taps, want, mask, replay):
-        self._layer, self._index, self._taps, self._want, self._mask, self._replay = (
-            layer, index, taps, want, mask, replay)
+    def __init__(self, layer, index, taps, want, mask, replay, recurrent):
+        self._layer, self._index, self._taps, self._want, self._mask, self._replay, self._recurrent = (
+            layer, index, taps, want, mask, replay, recurrent)
 
     def __getattr__(self, name):  # models read attributes such as `use_sliding`
         return getattr(self._layer, name)
 
     def __call__(self, x, *args, **kwargs):
         # Layers differ in how they take mask and cache: (x, mask, cache) mostly, (x, cache,
-        # attn_mask, ...) in Falcon-H1. A tree's mask (plain KV-cache models only) replaces the
-        # first positional one, or the `mask` keyword.
+        # attn_mask, ...) in Falcon-H1. A tree's mask replaces the first positional one, or the
+        # `mask` keyword; a recurrent layer of a tree pass runs one sequence per node (no mask).
         if self._index == 0 and -1 in self._want:
             self._taps[-1] = x
+        cache = kwargs.get("cache", next((a for a in args if is_cache(a)), None))
+        recurrent = cache is not None and is_recurrent(cache)
         if self._mask is not None:
+            mask = None if recurrent else self._mask
             if args and "mask" not in kwargs:
-                args = (self._mask,) + args[1:]
+                args = (mask,) + args[1:]
             else:
-                kwargs["mask"] = self._mask
-        if self._replay is not None:
-            cache = kwargs.get("cache", next((a for a in args if is_cache(a)), None))
-            if cache is not None and is_recurrent(cache):
-                self._replay.record(self._layer, x, args, kwargs, cache)
-        out = self._layer(x, *args, **kwargs)
+                kwargs["mask"] = mask
+        if recurrent and self._replay is not None:
+            self._replay.record(self._layer, x, args, kwargs, cache)
+        if recurrent and self._recurrent is not None:
+            def call(inputs, state):   # the layer over `inputs` from the cache `state`
+                swap = lambda a: state if a is cache else a   # noqa: E731
+                return self._layer(inputs, *map(swap, args), **{k: swap(v) for k, v in kwargs.items()})
+            out = self._recurrent(call, x, cache)
+        else:
+            out = self._layer(x, *args, **kwargs)
         if self._index in self._want:
             self._taps[self._index] = out
         return out
@@ -70,14 +78,17 @@ class Target:
         self.eos_token_ids = sorted(getattr(tokenizer, "eos_token_ids", None) or ())
 
     # --- the forward pass -------------------------------------------------------------
-    def forward(self, tokens: mx.array, cache, taps: Iterable[int] = (), mask=None, replay=None):
+    def forward(self, tokens: mx.array, cache, taps: Iterable[int] = (), mask=None, replay=None,
+                recurrent=None):
         """tokens [1, n] -> (logits [1, n, V], {layer_id: hidden [1, n, H]}).
 
         The model's own __call__ runs (embedding, mask, layers, norm, head); chosen layers are
         wrapped for the duration of the call to capture their outputs (no second pass), and
-        recurrent layers to record what `replay` (cache.Replay) needs to roll them back."""
+        recurrent layers to record what `replay` (cache.Replay) needs to roll them back. A tree
+        pass gives its `mask` and runs recurrent layers itself: recurrent(call, x, cache) -> out,
+        where call(inputs, cache) runs the layer."""
         want = set(taps)
-        if not want and mask is None and replay is None:
+        if not want and mask is None and replay is None and recurrent is None:
             return self.model(tokens, cache=cache), {}
         for i in want:
             if not -1 <= i < self.num_layers:
@@ -86,7 +97,7 @@ class Target:
         originals = list(self.layers)
         try:
             for i, layer in enumerate(originals):
-                self.layers[i] = _TapLayer(layer, i, captured, want, mask, replay)
+                self.layers[i] = _TapLayer(layer, i, captured, want, mask, replay, recurrent)
             logits = self.model(tokens, cache=cache)
         finally:
             self.layers[:] = originals
