@@ -76,6 +76,10 @@ def load(path_or_hf_repo: Optional[str] = None, draft: str = "lookup", draft_mod
     engine = Engine(target, drafter, num_draft_tokens=num_draft_tokens, sampling=sampling_params(**sampling),
                     seed=seed, residual=residual_sampling, adaptive=adaptive, stop_early=stop_early,
                     sessions=sessions, kv_quantization=kv_quantization, max_kv_size=max_kv_size)
+    if kv_quantization and engine.speculative:
+        print("mlx-spec: --kv-bits: the quantized cache rounds keys and values that a verification pass computes "
+              "equal to one-token decoding's up to float32's last bits, so the output follows mlx-lm's with the "
+              "same flags up to that rounding, not token for token", file=sys.stderr)
     if max_kv_size and not is_bounded(engine.cache):
         print(f"mlx-spec: --max-kv-size: this {target.model_type} model builds its own cache, which mlx-lm "
               "does not bound either", file=sys.stderr)

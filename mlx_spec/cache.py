@@ -78,8 +78,11 @@ class KVQuantization:
     """mlx-lm's --kv-bits, --kv-group-size and --quantized-kv-start: once the cache holds `start`
     positions its plain KV layers become QuantizedKVCache (mlx-lm's maybe_quantize_kv_cache,
     after each pass, as its generate_step does). Each position's K/V are quantized on their own,
-    so what differs from a plain run is only which positions were computed before the switch:
-    in a plain run, those below `start`. A verification pass therefore never crosses it."""
+    so what differs from a plain run is which positions were computed before the switch (in a
+    plain run, those below `start`: a verification pass therefore never crosses it), and the
+    rounding: a pass over several positions computes their K/V equal to one-token decoding's
+    up to float32's last bits, which a quantization step can round apart (README: "mlx-lm's
+    cache flags"; benchmarks/kv_quantization_rounding.py)."""
     bits: int
     group_size: int = 64
     start: int = 5000   # mlx-lm's default quantized_kv_start

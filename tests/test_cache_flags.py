@@ -2,7 +2,9 @@
 - Its quantized KV cache (--kv-bits, --kv-group-size, --quantized-kv-start): the cache switches
   to QuantizedKVCache where mlx-lm's generate_step switches it and a verification pass never
   crosses the switch (at 2 bits a crossing pass changes the output); chains from lookup, a draft
-  model and an MTP module; trees and sliding windows are refused in one line.
+  model and an MTP module; trees and sliding windows are refused in one line. (On these tiny
+  models no K/V lies within float32's last bits of a rounding step; on a real model one can,
+  and the output then follows mlx-lm's only up to rounding: benchmarks/kv_quantization_rounding.py.)
 - Its bounded cache (--max-kv-size: the first 4 positions and a window): verification passes
   masked as one-token decoding, far past the size, prompts longer than it, conversations."""
 
