@@ -1,10 +1,11 @@
 """The memory of the target's KV cache after a long generation with mlx-lm's quantized cache
-(--kv-bits 8 and 4) against the float cache, on the default model, drafting with lookup; and
+(--kv-bits 8 and 4) against the float cache, on the default model, decoded by the engine with
+--draft none (speculation over a quantized cache is refused: kv_quantization_rounding.py); and
 whether each output equals plain mlx-lm's with the same flags (mlx_lm.generate_step).
 
     python benchmarks/kv_cache_memory.py [--prompt-tokens 1500] [--max-tokens 256]
 
-The prompt is standard-library documentation to summarize (long, and lookup has text to copy);
+The prompt is standard-library documentation to summarize;
 the cache is quantized from --quantized-kv-start on (default 512, inside the prompt)."""
 
 import argparse
@@ -18,7 +19,6 @@ from mlx_lm.generate import generate_step
 
 from mlx_spec.cache import KVQuantization
 from mlx_spec.convert.default import default_model_path
-from mlx_spec.drafters.lookup import LookupDrafter
 from mlx_spec.engine import Engine
 from mlx_spec.models.target import load_target
 
@@ -45,7 +45,7 @@ def main():
     print("|---|---|---|---|")
     for bits in (None, 8, 4):
         kv = KVQuantization(bits, 64, opts.quantized_kv_start) if bits else None
-        engine = Engine(target, LookupDrafter(), kv_quantization=kv)
+        engine = Engine(target, kv_quantization=kv)
         tokens, stats = [], None
         for event in engine.generate(prompt, max_tokens=opts.max_tokens):
             if event[0] == "token":

@@ -55,8 +55,8 @@ def load(path_or_hf_repo: Optional[str] = None, draft: str = "lookup", draft_mod
     draft source `draft` (see mlx_spec.drafters.DRAFTERS; `draft_model`: its checkpoint or draft
     model, a directory or repo id), adaptive by default. The source's own options (ngram_*,
     tree_*, exit_layer, suffix_memory) default to its registry entry's (None: not given); one it does not read
-    is refused. kv_bits, kv_group_size, quantized_kv_start: mlx-lm's quantized KV cache;
-    max_kv_size: its bounded one.
+    is refused. kv_bits, kv_group_size, quantized_kv_start: mlx-lm's quantized KV cache (with
+    draft="none" only: see cache.KVQuantization); max_kv_size: its bounded one.
     `sampling` (temp, top_p, top_k, min_p, seed) sets the engine's defaults, which each generate
     call may override."""
     from .cache import KVQuantization, is_bounded
@@ -76,10 +76,6 @@ def load(path_or_hf_repo: Optional[str] = None, draft: str = "lookup", draft_mod
     engine = Engine(target, drafter, num_draft_tokens=num_draft_tokens, sampling=sampling_params(**sampling),
                     seed=seed, residual=residual_sampling, adaptive=adaptive, stop_early=stop_early,
                     sessions=sessions, kv_quantization=kv_quantization, max_kv_size=max_kv_size)
-    if kv_quantization and engine.speculative:
-        print("mlx-spec: --kv-bits: the quantized cache rounds keys and values that a verification pass computes "
-              "equal to one-token decoding's up to float32's last bits, so the output follows mlx-lm's with the "
-              "same flags up to that rounding, not token for token", file=sys.stderr)
     if max_kv_size and not is_bounded(engine.cache):
         print(f"mlx-spec: --max-kv-size: this {target.model_type} model builds its own cache, which mlx-lm "
               "does not bound either", file=sys.stderr)

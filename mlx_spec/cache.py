@@ -77,12 +77,11 @@ def verification(cache: Sequence[Any]):
 class KVQuantization:
     """mlx-lm's --kv-bits, --kv-group-size and --quantized-kv-start: once the cache holds `start`
     positions its plain KV layers become QuantizedKVCache (mlx-lm's maybe_quantize_kv_cache,
-    after each pass, as its generate_step does). Each position's K/V are quantized on their own,
-    so what differs from a plain run is which positions were computed before the switch (in a
-    plain run, those below `start`: a verification pass therefore never crosses it), and the
-    rounding: a pass over several positions computes their K/V equal to one-token decoding's
-    up to float32's last bits, which a quantization step can round apart (README: "mlx-lm's
-    cache flags"; benchmarks/kv_quantization_rounding.py)."""
+    after each pass, as its generate_step does). Plain decoding only: a verification pass
+    computes each position's K/V equal to one-token decoding's only up to float32's last bits
+    (other matmul shapes), and a quantization step rounds some of them apart, a difference that
+    grows through the layers (benchmarks/kv_quantization_rounding.py): speculation over it
+    would not print mlx-lm's tokens."""
     bits: int
     group_size: int = 64
     start: int = 5000   # mlx-lm's default quantized_kv_start
@@ -92,9 +91,13 @@ class KVQuantization:
             raise MlxSpecError(f"--kv-bits must be 2, 3, 4, 5, 6 or 8 and --kv-group-size 32, 64 or 128 "
                                f"(got {self.bits}, {self.group_size}); --quantized-kv-start >= 0")
 
-    def check(self, cache: List[Any], model_type: str) -> None:
-        """mlx-lm quantizes plain KV layers only and cannot quantize a sliding window: refuse
-        those in one line, before any token (mlx-lm's own generate raises at the switch)."""
+    def check(self, cache: List[Any], model_type: str, speculative: bool) -> None:
+        """Refuse in one line, before any token: speculation (see above), and what mlx-lm cannot
+        quantize, a sliding window (its own generate raises at the switch)."""
+        if speculative:
+            raise MlxSpecError("--kv-bits: a verification pass computes keys and values equal to one-token "
+                               "decoding's only up to float32's last bits, which the quantized cache rounds apart, "
+                               "so speculation would not print mlx-lm's tokens: use --draft none or drop --kv-bits")
         windows = sorted({type(c).__name__ for c in cache if isinstance(c, RotatingKVCache)})
         if windows:
             raise MlxSpecError(f"--kv-bits: mlx-lm cannot quantize the {', '.join(windows)} of this {model_type} "
@@ -104,13 +107,6 @@ class KVQuantization:
         from mlx_lm.generate import maybe_quantize_kv_cache
 
         maybe_quantize_kv_cache(cache, self.start, self.group_size, self.bits)
-
-    def positions_before_switch(self, cache: List[Any], position: int) -> Optional[int]:
-        """How many positions from `position` on a pass may compute before the cache must be
-        quantized (None: no limit, it is quantized already or never will be)."""
-        if position >= self.start or not any(hasattr(c, "to_quantized") for c in cache):
-            return None
-        return self.start - position
 
 
 def _layers(cache):
@@ -156,10 +152,7 @@ def holds_trees(cache: Sequence[Any]) -> bool:
     return not _not_for_trees(cache)
 
 
-def check_tree(cache: Sequence[Any], model_type: str, kv_quantization=None) -> None:
-    if kv_quantization:
-        raise MlxSpecError("tree drafts need a plain KV cache, which --kv-bits quantizes: draft a chain "
-                           "(--tree-budget 0) or drop --kv-bits")
+def check_tree(cache: Sequence[Any], model_type: str) -> None:
     kinds = _not_for_trees(cache)
     if kinds:
         raise MlxSpecError(f"tree drafts need plain KV caches or recurrent layers; this {model_type} model "

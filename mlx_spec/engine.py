@@ -176,12 +176,12 @@ class Engine:
         self.drafter.bind(self.sampler, lambda: self.cache, (
             (lambda confidence: self.policy.worth_extending(confidence, len(confidence), self.plan.probing))
             if stop_early and self.policy else None))
+        if kv_quantization:
+            kv_quantization.check(self.cache, target.model_type, self.speculative)
         if self.speculative:
             check_speculation(self.cache, target.model_type)
         if self.drafter.tree:
-            check_tree(self.cache, target.model_type, kv_quantization)
-        if kv_quantization:
-            kv_quantization.check(self.cache, target.model_type)
+            check_tree(self.cache, target.model_type)
         # Recurrent layers roll back by replaying the last verification pass (cache.Replay).
         self.recurrent = any(is_recurrent(c) for c in self.cache)
 
@@ -204,7 +204,7 @@ class Engine:
         if self.drafter.verify_forward is not None:
             return "this drafter runs the target's own layers on one sequence's cache"
         if self.kv_quantization:
-            return "a quantized KV cache (--kv-bits) is verified one sequence at a time"
+            return "a quantized KV cache (--kv-bits) is decoded one sequence at a time"
         return batchable(self.cache, self.target.model_type)
 
     @property
@@ -437,10 +437,6 @@ class Engine:
             while not stats.finish_reason:
                 # Never draft past max_tokens: a step commits at most k + 1 tokens.
                 k = min(self.num_draft_tokens, max_tokens - stats.generated_tokens - 1)
-                room = self.kv_quantization and self.kv_quantization.positions_before_switch(
-                    self.cache, len(context) - 1)
-                if room:   # a pass computes positions a plain run computes on one side of the switch only
-                    k = min(k, room - 1)
                 self.plan = self.policy.plan(k) if self.policy else DraftPlan(k)
                 step = yield from self._step(context)
                 accepted = step.accepted

@@ -1,10 +1,9 @@
-"""mlx-lm's cache flags under speculation, token for token as plain mlx-lm with the same flags.
-- Its quantized KV cache (--kv-bits, --kv-group-size, --quantized-kv-start): the cache switches
-  to QuantizedKVCache where mlx-lm's generate_step switches it and a verification pass never
-  crosses the switch (at 2 bits a crossing pass changes the output); chains from lookup, a draft
-  model and an MTP module; trees and sliding windows are refused in one line. (On these tiny
-  models no K/V lies within float32's last bits of a rounding step; on a real model one can,
-  and the output then follows mlx-lm's only up to rounding: benchmarks/kv_quantization_rounding.py.)
+"""mlx-lm's cache flags.
+- Its quantized KV cache (--kv-bits, --kv-group-size, --quantized-kv-start): plain decoding
+  through the engine switches the cache where mlx-lm's generate_step switches it and prints
+  mlx-lm's tokens; speculation over it is refused in one line (a verification pass's K/V are
+  one-token decoding's only up to float32's last bits, which quantization rounds apart:
+  benchmarks/kv_quantization_rounding.py), as are sliding windows, which mlx-lm cannot quantize.
 - Its bounded cache (--max-kv-size: the first 4 positions and a window): verification passes
   masked as one-token decoding, far past the size, prompts longer than it, conversations."""
 
@@ -40,77 +39,41 @@ def mlx_lm_greedy(model, prompt, max_tokens, kv=KV):
                                              kv_group_size=kv.group_size, quantized_kv_start=kv.start)]
 
 
-def drafters(target, tmp_path):
-    return {"none": lambda: None, "lookup": lambda: LookupDrafter(),
-            "draft-model": lambda: DraftModelDrafter(tiny_target(num_attention_heads=2, seed=1, scale=3.0),
-                                                     target.vocab_size),
-            "same-model": lambda: DraftModelDrafter(target, target.vocab_size)}
-
-
-@pytest.mark.parametrize("source", ["none", "lookup", "draft-model", "same-model"])
 @pytest.mark.parametrize("prompt", [PROMPT, LONG_PROMPT], ids=["switch-while-decoding", "switch-at-prefill"])
-def test_chains_equal_mlx_lm_with_the_same_flags(tmp_path, source, prompt):
+def test_plain_decoding_equals_mlx_lm_with_the_same_flags(prompt):
     target = target_32()
-    engine = Engine(target, drafters(target, tmp_path)[source](), num_draft_tokens=4, adaptive=False,
-                    kv_quantization=KV)
-    tokens, stats = run(engine, prompt, 40)
-    assert tokens == mlx_lm_greedy(target.model, prompt, 40)
+    engine = Engine(target, kv_quantization=KV)
+    assert run(engine, prompt, 40)[0] == mlx_lm_greedy(target.model, prompt, 40)
     assert all(isinstance(c, QuantizedKVCache) for c in engine.cache)   # the switch happened
-    assert source == "none" or stats.proposed > 0
+    # A conversation goes on over the same cache, as mlx-lm's chat goes on over its prompt cache
+    # (which holds every token generate_step yielded: it computed the one after the last).
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(target.model)
+    first = [int(t) for t, _ in generate_step(mx.array(prompt), target.model, max_tokens=40, prompt_cache=cache,
+                                              kv_bits=KV.bits, kv_group_size=KV.group_size, quantized_kv_start=KV.start)]
+    second = [int(t) for t, _ in generate_step(mx.array([3, 4]), target.model, max_tokens=20,
+                                               prompt_cache=cache, kv_bits=KV.bits, kv_group_size=KV.group_size,
+                                               quantized_kv_start=KV.start)]
+    assert run(engine, prompt + first + [3, 4], 20)[0] == second
 
 
-def test_an_mtp_module_drafts_over_a_quantized_cache(tmp_path, monkeypatch):
+def test_refusals(tmp_path, monkeypatch):
+    """Speculation of every kind over a quantized cache, before any token; sliding windows."""
     import test_mtp
 
-    monkeypatch.setitem(test_mtp.ARCHS, "llama", ("deepseek", dict(num_attention_heads=2)))   # head_dim 32
-    path, target, _, _ = write_published(tmp_path, "llama")
-    engine = Engine(target, EagleDrafter(load_mtp(path, target), target.vocab_size), num_draft_tokens=3,
-                    adaptive=False, kv_quantization=KV)
-    assert run(engine, PROMPT, 40)[0] == mlx_lm_greedy(target.model, PROMPT, 40)
-
-
-def test_a_pass_never_crosses_the_switch():
-    """Every draft accepted (the target's own tokens, scripted): the step that reaches the
-    switch is cut to end right before it, as plain decoding computes those positions."""
     target = target_32()
-    expected = mlx_lm_greedy(target.model, PROMPT, 30)
-    engine = Engine(target, ScriptedDrafter(expected, 10**6, target.vocab_size), num_draft_tokens=6,
-                    adaptive=False, kv_quantization=KV)
-    start, starts_and_widths, tokens = len(PROMPT) - 1, [], []
-    for event in engine.generate(PROMPT, max_tokens=30):
-        if event[0] == "step":       # (step, drafts verified, accepted): the pass computed 1 + drafts
-            starts_and_widths.append((start, event[1] + 1))
-            start += event[2] + 1
-        elif event[0] == "token":
-            tokens.append(event[1])
-    assert tokens == expected
-    for first, width in starts_and_widths:
-        assert first + width <= KV.start or first >= KV.start, (first, width)
-    assert KV.start in [first for first, _ in starts_and_widths]   # the switch fell between two passes
-
-
-def test_a_conversation_and_seeded_sampling_equal_draft_none():
-    target = target_32()
-    params = SamplingParams(temp=1.0)
-    plain = Engine(target, kv_quantization=KV, sampling=params, seed=3)
-    lookup = Engine(target, LookupDrafter(), num_draft_tokens=4, adaptive=False, kv_quantization=KV,
-                    sampling=params, seed=3)
-    context = list(PROMPT)
-    for turn in range(3):
-        expected = run(plain, context, 16, seed=turn)[0]
-        assert run(lookup, context, 16, seed=turn)[0] == expected, turn
-        context += expected + [3, 4]
-
-
-def test_refusals():
-    target = target_32()
-    drafter = ScriptedDrafter([], 1, 32)
-    drafter.tree = True
-    with pytest.raises(MlxSpecError, match="tree drafts need a plain KV cache, which --kv-bits quantizes"):
-        Engine(target, drafter, kv_quantization=KV)
+    monkeypatch.setitem(test_mtp.ARCHS, "llama", ("deepseek", dict(num_attention_heads=2)))
+    path, mtp_target, _, _ = write_published(tmp_path, "llama")
+    tree = ScriptedDrafter([], 1, 32)
+    tree.tree = True
+    for drafter, over in ((LookupDrafter(), target), (DraftModelDrafter(target, target.vocab_size), target),
+                          (tree, target), (EagleDrafter(load_mtp(path, mtp_target), 32), mtp_target)):
+        with pytest.raises(MlxSpecError, match="--kv-bits: a verification pass computes keys and values equal"):
+            Engine(over, drafter, kv_quantization=KV)
     windowed = tiny_target("gemma3_text", scale=3.0, **WINDOWED["gemma3_text"])
     with pytest.raises(MlxSpecError, match="--kv-bits: mlx-lm cannot quantize the RotatingKVCache"):
-        Engine(windowed, LookupDrafter(), kv_quantization=KV)
+        Engine(windowed, kv_quantization=KV)
     with pytest.raises(MlxSpecError, match="--kv-bits must be"):
         KVQuantization(bits=7)
 

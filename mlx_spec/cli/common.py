@@ -23,7 +23,8 @@ def cache_options(f):
                      help="Bound the KV cache: the first 4 tokens and a window of the latest (mlx-lm's "
                           "RotatingKVCache; models that build their own cache keep it)."),
         click.option("--kv-bits", type=int, default=None,
-                     help="Quantize the KV cache to this many bits (2, 3, 4, 5, 6, 8; default: no quantization)."),
+                     help="Quantize the KV cache to this many bits (2, 3, 4, 5, 6, 8; default: no quantization), "
+                          "with --draft none: speculation over it would not print mlx-lm's tokens."),
         click.option("--kv-group-size", type=int, default=64, show_default=True,
                      help="Group size of the KV cache quantization (32, 64, 128)."),
         click.option("--quantized-kv-start", type=click.IntRange(0), default=5000, show_default=True,
