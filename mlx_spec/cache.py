@@ -9,13 +9,14 @@ what it needs is still there and otherwise says so, and the caller rebuilds the 
 tokens: never a cache that silently differs from a plain run."""
 
 from contextlib import contextmanager
+from pathlib import Path
 from dataclasses import dataclass
-from typing import Any, List, Optional, Sequence
+from typing import Any, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
-from mlx_lm.models.cache import (ArraysCache, CacheList, ChunkedKVCache, KVCache, RotatingKVCache,
-                                 _BaseCache, make_prompt_cache)
+from mlx_lm.models.cache import (ArraysCache, CacheList, ChunkedKVCache, KVCache, QuantizedKVCache,
+                                 RotatingKVCache, _BaseCache, make_prompt_cache)
 
 from .errors import MlxSpecError
 
@@ -73,6 +74,11 @@ def verification(cache: Sequence[Any]):
             c.verifying = False
 
 
+QUANTIZED_SPECULATION = ("a verification pass computes keys and values equal to one-token decoding's only up to "
+                         "float32's last bits, which the quantized cache rounds apart, so speculation would not "
+                         "print mlx-lm's tokens")
+
+
 @dataclass(frozen=True)
 class KVQuantization:
     """mlx-lm's --kv-bits, --kv-group-size and --quantized-kv-start: once the cache holds `start`
@@ -95,9 +101,7 @@ class KVQuantization:
         """Refuse in one line, before any token: speculation (see above), and what mlx-lm cannot
         quantize, a sliding window (its own generate raises at the switch)."""
         if speculative:
-            raise MlxSpecError("--kv-bits: a verification pass computes keys and values equal to one-token "
-                               "decoding's only up to float32's last bits, which the quantized cache rounds apart, "
-                               "so speculation would not print mlx-lm's tokens: use --draft none or drop --kv-bits")
+            raise MlxSpecError(f"--kv-bits: {QUANTIZED_SPECULATION}: use --draft none or drop --kv-bits")
         windows = sorted({type(c).__name__ for c in cache if isinstance(c, RotatingKVCache)})
         if windows:
             raise MlxSpecError(f"--kv-bits: mlx-lm cannot quantize the {', '.join(windows)} of this {model_type} "
@@ -107,6 +111,61 @@ class KVQuantization:
         from mlx_lm.generate import maybe_quantize_kv_cache
 
         maybe_quantize_kv_cache(cache, self.start, self.group_size, self.bits)
+
+
+# The layers of a prompt cache file (mlx_lm.cache_prompt) that mlx-spec reads, and the kinds
+# of the model's own cache each may stand for.
+PROMPT_CACHE_LAYERS = {"KVCache": KVCache, "QuantizedKVCache": KVCache, "ArraysCache": ArraysCache}
+
+
+def prompt_cache_metadata(path) -> Tuple[dict, List[str]]:
+    """(metadata, layer classes) of a prompt cache file written by mlx_lm.cache_prompt (a
+    safetensors file, never unpickled; mlx-lm stores [metadata, classes, scalars] flattened)."""
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise MlxSpecError(f"no prompt cache file {path}")
+    try:
+        _, stored = mx.load(str(path), return_metadata=True)
+        part = lambda i: {k[2:]: v for k, v in stored.items() if k.startswith(f"{i}.")}   # noqa: E731
+        classes = [c for _, c in sorted(part(1).items(), key=lambda item: int(item[0]))]
+    except Exception as e:
+        raise MlxSpecError(f"cannot read the prompt cache file {path}: {str(e).splitlines()[0] if str(e) else e!r} "
+                           "(mlx_lm.cache_prompt writes safetensors)") from None
+    return part(0), classes
+
+
+def read_prompt_cache(path, model, model_type: str):
+    """(cache, metadata) of a prompt cache file written by mlx_lm.cache_prompt, checked against
+    the model: one line for a file that is missing, unreadable, of layer kinds mlx-spec cannot
+    roll back, or of another model's shape."""
+    from mlx_lm.models.cache import load_prompt_cache
+
+    path = Path(path).expanduser()
+    _, classes = prompt_cache_metadata(path)
+    unknown = sorted(set(classes) - set(PROMPT_CACHE_LAYERS))
+    if not classes or unknown:
+        raise MlxSpecError(f"the prompt cache file {path} holds {', '.join(unknown) or 'no layers'}: mlx-spec reads "
+                           f"caches of {', '.join(PROMPT_CACHE_LAYERS)} layers")
+    try:
+        cache, metadata = load_prompt_cache(str(path), return_metadata=True)
+    except Exception as e:
+        raise MlxSpecError(f"cannot read the prompt cache file {path}: {e}") from None
+    # The model's own cache after one token: the kinds and shapes a cache of this model has.
+    fresh = make_cache(model)
+    model(mx.array([[0]]), cache=fresh)
+    shape = lambda c: [a.shape[1:] for a in c.cache if a is not None]   # noqa: E731  (recurrent states)
+    if len(cache) != len(fresh) or any(
+            PROMPT_CACHE_LAYERS[type(c).__name__] is not type(f)
+            or (type(c) is KVCache and (c.keys is None or c.keys.shape[1] != f.keys.shape[1]))
+            or (isinstance(c, QuantizedKVCache) and c.keys[0].shape[1] != f.keys.shape[1])
+            or (isinstance(c, ArraysCache) and shape(c) != shape(f))
+            for c, f in zip(cache, fresh)):
+        raise MlxSpecError(f"the prompt cache file {path} was made by another model (its layers differ from this "
+                           f"{model_type} model's)")
+    if not any(hasattr(c, "offset") for c in cache):
+        raise MlxSpecError(f"the prompt cache file {path} does not say how many tokens it holds (a model without "
+                           "attention layers): mlx-spec cannot continue it")
+    return cache, metadata
 
 
 def _layers(cache):

@@ -20,7 +20,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence
 
 import mlx.core as mx
 
-from .cache import (KVQuantization, Replay, batchable, check_speculation, check_tree, common_prefix_length,
+from .cache import (QUANTIZED_SPECULATION, KVQuantization, Replay, batchable, check_speculation, check_tree, common_prefix_length,
                     is_recurrent, make_cache, rollback_to, verification)
 from .drafters.base import Draft, Drafter, NoDrafter
 from .errors import MlxSpecError
@@ -30,6 +30,7 @@ from .tree import Tree, compact, tree_forward, verify_tree
 from .verify import verify_chain
 
 PREFILL_CHUNK = 2048   # mlx-lm's prefill_step_size
+UNKNOWN_TOKEN = -1     # a cached position whose token is not known (Engine.resume)
 
 
 @dataclass
@@ -240,6 +241,23 @@ class Engine:
             raise MlxSpecError("this engine keeps no sessions: build it with sessions=True")
         self._attach(session)
         self.drafter_stale = True
+
+    def resume(self, cache: List[Any]) -> int:
+        """Continue from a prompt cache whose tokens are not known (a file of mlx_lm.cache_prompt,
+        cache.read_prompt_cache): its n positions count as UNKNOWN_TOKEN, and a generate call's
+        prompt is then [UNKNOWN_TOKEN] * n + what follows them. Returns n. Drafters that read the
+        cached context (its features, or its tokens through a model) cannot continue it."""
+        from mlx_lm.models.cache import QuantizedKVCache
+
+        if self.drafter.reads_cached_context:
+            raise MlxSpecError("a prompt cache file holds no tokens, which this draft source reads for the "
+                               "cached prompt: use --draft lookup, suffix or none")
+        if self.speculative and any(isinstance(c, QuantizedKVCache) for c in cache):
+            raise MlxSpecError(f"the prompt cache file is quantized (--kv-bits): {QUANTIZED_SPECULATION}: "
+                               "use --draft none")
+        n = max(c.offset for c in cache if hasattr(c, "offset"))
+        self._attach(Session([UNKNOWN_TOKEN] * n, list(cache)))
+        return n
 
     def copy_session(self) -> Session:
         return self.session.copy()

@@ -87,6 +87,9 @@ class Drafter:
     # (the target's forward's signature) instead of the target's forward, so that work done
     # while drafting is not done twice.
     verify_forward: Optional[Callable] = None
+    # False where drafts come from the context's token ids alone and ids never seen do no harm:
+    # the engine may then continue a prompt cache whose tokens are not known (Engine.resume).
+    reads_cached_context: bool = True
     # Attributes that hold weights (models, the target): copies made by spawn share them.
     shared: Sequence[str] = ()
     # What bind hands over; until then, greedy drafting that never stops early.
@@ -153,6 +156,8 @@ class Drafter:
 
 class NoDrafter(Drafter):
     """Plain decoding through the same loop: one target token per step."""
+
+    reads_cached_context = False
 
     def propose(self, k: int) -> Draft:
         return Draft()

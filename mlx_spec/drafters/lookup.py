@@ -13,6 +13,8 @@ MAX_MATCH = 12
 
 
 class LookupDrafter(Drafter):
+    reads_cached_context = False
+
     def __init__(self, ngram_max: int = 3, ngram_min: int = 1):
         if not 1 <= ngram_min <= ngram_max:
             from ..errors import MlxSpecError

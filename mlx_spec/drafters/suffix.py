@@ -94,6 +94,7 @@ def best_tree(continuations: Sequence[Sequence[int]], match_length: int, depth: 
 
 class SuffixDrafter(Drafter):
     shared = ("memory",)
+    reads_cached_context = False
 
     def __init__(self, tree_budget: int = 16, memory=None, tree: bool = True):
         """memory: a SuffixMemory (None: this generation's tokens only); tree False: chains."""
