@@ -18,6 +18,8 @@ import argparse
 import statistics
 import time
 
+import mlx_spec  # noqa: F401  (loads OpenBLAS before mlx.core does any work)
+
 import mlx.core as mx
 from mlx.utils import tree_map
 
