@@ -14,7 +14,6 @@ medians of several runs, each with its rollback:
     .venv/bin/python benchmarks/hybrid_tree_cost.py [--context 512] [--repeats 5]
 """
 
-import argparse
 import copy
 import statistics
 import time
@@ -22,11 +21,9 @@ import time
 import mlx_spec  # noqa: F401  (loads OpenBLAS before mlx.core does any work)
 
 import mlx.core as mx
-from mlx.utils import tree_map
-from recurrent_rollback import CONFIG
+from recurrent_rollback import CONFIG, setup
 
 from mlx_spec.cache import Replay, rollback_to
-from mlx_spec.models.target import Target
 from mlx_spec.tree import Tree, compact, tree_forward
 
 
@@ -42,19 +39,8 @@ def balanced_parents(nodes: int, depth: int):
 
 
 def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--context", type=int, default=512)
-    parser.add_argument("--repeats", type=int, default=5)
-    args = parser.parse_args()
-    from mlx_lm.utils import _get_classes
-
-    model_class, args_class = _get_classes(CONFIG)
-    mx.random.seed(0)
-    model = model_class(args_class.from_dict(CONFIG))
-    model.update(tree_map(lambda p: p * 0.02 / max(p.std().item(), 1e-6) if p.ndim >= 2 else p, model.parameters()))
-    mx.eval(model.parameters())
-    target = Target(model, None, CONFIG)
-    context = mx.random.randint(0, CONFIG["vocab_size"], (1, args.context))
+    args, target, context = setup()
+    model = target.model
 
     context_cache = model.make_cache()
     mx.eval(model(context, cache=context_cache))

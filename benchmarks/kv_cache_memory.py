@@ -9,6 +9,8 @@ The prompt is standard-library documentation to summarize;
 the cache is quantized from --quantized-kv-start on (default 512, inside the prompt)."""
 
 import argparse
+import collections
+import functools
 import inspect
 import json
 
@@ -23,22 +25,29 @@ from mlx_spec.engine import Engine
 from mlx_spec.models.target import load_target
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--prompt-tokens", type=int, default=1500)
-    parser.add_argument("--max-tokens", type=int, default=256)
-    parser.add_argument("--quantized-kv-start", type=int, default=512)
-    opts = parser.parse_args()
-
-    target = load_target(default_model_path(), "float32")
-    tokenizer = target.tokenizer
-    import collections
-    import functools
+def documentation_prompt(tokenizer, tokens: int):
+    """A chat prompt asking for a summary of `tokens` tokens of standard-library documentation."""
     doc = "\n\n".join(inspect.getdoc(obj) or "" for obj in (collections, functools, json, inspect))
-    body = tokenizer.encode(doc)[:opts.prompt_tokens]
-    prompt = tokenizer.apply_chat_template(
+    body = tokenizer.encode(doc)[:tokens]
+    return tokenizer.apply_chat_template(
         [{"role": "user", "content": "Summarize this documentation, quoting its key sentences:\n\n"
           + tokenizer.decode(body)}], add_generation_prompt=True)
+
+
+def setup(doc: str, max_tokens: int):
+    """(--prompt-tokens, --max-tokens, --quantized-kv-start; the default model in float32; its
+    documentation prompt)."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--prompt-tokens", type=int, default=1500)
+    parser.add_argument("--max-tokens", type=int, default=max_tokens)
+    parser.add_argument("--quantized-kv-start", type=int, default=512)
+    opts = parser.parse_args()
+    target = load_target(default_model_path(), "float32")
+    return opts, target, documentation_prompt(target.tokenizer, opts.prompt_tokens)
+
+
+def main():
+    opts, target, prompt = setup(__doc__, 256)
     print(f"prompt {len(prompt)} tokens, {opts.max_tokens} generated, quantized from position "
           f"{opts.quantized_kv_start}")
     print("| cache | KV cache MB | tok/s | identical to mlx-lm with the same flags |")

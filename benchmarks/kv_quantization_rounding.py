@@ -11,37 +11,19 @@ difference (~1e-5); a quantized cache rounds each K/V to 8 or 4 bits, and a valu
 within those last bits of a rounding step rounds the other way: the difference becomes a step of
 the quantization, and grows through the layers above."""
 
-import argparse
-import collections
-import functools
-import inspect
-import json
-
 import mlx_spec  # noqa: F401  (loads OpenBLAS before mlx.core does any work)
 
 import mlx.core as mx
 import numpy as np
+from kv_cache_memory import setup
 from mlx_lm.generate import generate_step, maybe_quantize_kv_cache
 
 from mlx_spec.cache import make_cache
-from mlx_spec.convert.default import default_model_path
-from mlx_spec.models.target import load_target
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--prompt-tokens", type=int, default=1500)
-    parser.add_argument("--max-tokens", type=int, default=60)
-    parser.add_argument("--quantized-kv-start", type=int, default=512)
-    opts = parser.parse_args()
-
-    target = load_target(default_model_path(), "float32")
-    tokenizer, start, n = target.tokenizer, opts.quantized_kv_start, opts.max_tokens
-    doc = "\n\n".join(inspect.getdoc(obj) or "" for obj in (collections, functools, json, inspect))
-    body = tokenizer.encode(doc)[:opts.prompt_tokens]
-    prompt = tokenizer.apply_chat_template(
-        [{"role": "user", "content": "Summarize this documentation, quoting its key sentences:\n\n"
-          + tokenizer.decode(body)}], add_generation_prompt=True)
+    opts, target, prompt = setup(__doc__, 60)
+    start, n = opts.quantized_kv_start, opts.max_tokens
     print(f"prompt {len(prompt)} tokens, {n} generated (mlx-lm greedy), quantized from position {start}")
     print("| cache | positions per pass | median max abs log-prob difference | largest | argmax differs |")
     print("|---|---|---|---|---|")

@@ -44,11 +44,8 @@ def median_ms(fn, repeats):
     return 1000 * statistics.median(times)
 
 
-def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--context", type=int, default=512)
-    parser.add_argument("--repeats", type=int, default=5)
-    args = parser.parse_args()
+def qwen3_next_shaped() -> Target:
+    """CONFIG's model, random float32 weights (matrices scaled to std 0.02)."""
     from mlx_lm.utils import _get_classes
 
     model_class, args_class = _get_classes(CONFIG)
@@ -56,8 +53,21 @@ def main():
     model = model_class(args_class.from_dict(CONFIG))
     model.update(tree_map(lambda p: p * 0.02 / max(p.std().item(), 1e-6) if p.ndim >= 2 else p, model.parameters()))
     mx.eval(model.parameters())
-    target = Target(model, None, CONFIG)
-    context = mx.random.randint(0, CONFIG["vocab_size"], (1, args.context))
+    return Target(model, None, CONFIG)
+
+
+def setup():
+    """(--context and --repeats, the model, a random context of that length)."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--context", type=int, default=512)
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    return args, qwen3_next_shaped(), mx.random.randint(0, CONFIG["vocab_size"], (1, args.context))
+
+
+def main():
+    args, target, context = setup()
+    model = target.model
 
     def prefilled():
         cache = model.make_cache()
