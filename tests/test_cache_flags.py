@@ -92,17 +92,35 @@ def mlx_lm_bounded(model, prompt, max_tokens):
     return [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=max_tokens, max_kv_size=WINDOW)]
 
 
-@pytest.mark.parametrize("source", ["none", "lookup", "draft-model", "same-model"])
+def feature_drafter(source, target, tmp_path):
+    """EAGLE-3 (a random layer) or DFlash (DDTree's block drafter, as a chain) on `target`."""
+    from test_dflash import random_dflash
+    from test_eagle import random_eagle, save_eagle
+
+    from mlx_spec.drafters.dflash import DFlashDrafter
+    from mlx_spec.models.eagle3 import load_eagle3
+
+    if source == "eagle":
+        eagle = random_eagle(target, seed=5, scale=2.0, hidden_size=target.hidden_size, aux_layer_ids=[0, 1])
+        return EagleDrafter(load_eagle3(save_eagle(eagle, tmp_path / "eagle", "speculators"), target),
+                            target.vocab_size)
+    return DFlashDrafter(target, random_dflash(tmp_path, target, num_layers=1, target_layer_ids=(0, 1),
+                                               block_size=8)[0])
+
+
+@pytest.mark.parametrize("source", ["none", "lookup", "draft-model", "same-model", "eagle", "dflash"])
 @pytest.mark.parametrize("prompt", [PROMPT, LONG_PROMPT], ids=["short-prompt", "prompt-past-the-window"])
 def test_a_bounded_cache_equals_mlx_lm_past_its_size(tmp_path, source, prompt):
     target = qwen3_target()
-    drafter = {"none": None, "lookup": LookupDrafter(), "draft-model": DraftModelDrafter(qwen3_target(1), 32),
-               "same-model": DraftModelDrafter(target, 32)}[source]
+    drafter = (feature_drafter(source, target, tmp_path) if source in ("eagle", "dflash") else
+               {"none": None, "lookup": LookupDrafter(), "draft-model": DraftModelDrafter(qwen3_target(1), 32),
+                "same-model": DraftModelDrafter(target, 32)}[source])
     engine = Engine(target, drafter, num_draft_tokens=4, adaptive=False, max_kv_size=WINDOW)
     tokens, stats = run(engine, prompt, 48)
     assert tokens == mlx_lm_bounded(target.model, prompt, 48)
     assert all(type(c).__name__ == "BoundedKVCache" for c in engine.cache)
-    assert source in ("none", "draft-model") or stats.accepted > 0
+    assert source in ("none", "draft-model", "eagle", "dflash") or stats.accepted > 0
+    assert source == "none" or stats.proposed > 0
 
 
 def test_a_bounded_conversation_and_seeded_sampling_equal_draft_none():

@@ -236,7 +236,7 @@ def test_a_recurrent_model_drafts_for_itself(arch):
     """A recurrent or hybrid draft model rolls its state back to a snapshot taken before each
     draft: drafting for itself, every draft is accepted (tau 5 with 4 drafts), greedy and over
     a second turn; another model of the same shape drafts exactly too; seeded sampling
-    prints what --draft none prints."""
+    prints what --draft none prints; a smaller model of the family drafts exactly."""
     from mlx_spec.sampling import SamplingParams
 
     target = target_of(arch)
@@ -249,6 +249,15 @@ def test_a_recurrent_model_drafts_for_itself(arch):
     assert tokens == plain_greedy(target.model, more, 21) and stats.accepted == stats.proposed == 16
     engine = NoRebuild(target, DraftModelDrafter(target_of(arch, seed=7), 32), num_draft_tokens=3, adaptive=False)
     assert run(engine, PROMPT, 30)[0] == plain_greedy(target.model, PROMPT, 30)
+    # A smaller model of the family (half the layers) drafting for the larger one.
+    smaller = dict(RECURRENT[arch], num_hidden_layers=RECURRENT[arch].get("num_hidden_layers", 2) // 2)
+    if "layer_types" in smaller:
+        smaller["layer_types"] = smaller["layer_types"][:smaller["num_hidden_layers"]]
+    draft = tiny_target(arch, seed=7, scale=3.0, **smaller)
+    assert draft.num_layers < target.num_layers
+    engine = NoRebuild(target, DraftModelDrafter(draft, 32), num_draft_tokens=3, adaptive=False)
+    tokens, stats = run(engine, PROMPT, 30)
+    assert tokens == plain_greedy(target.model, PROMPT, 30) and stats.proposed > 0
     params = SamplingParams(temp=1.0)
     plain = run(Engine(target, sampling=params, seed=5), PROMPT, 24)[0]
     engine = NoRebuild(target, DraftModelDrafter(target, 32), num_draft_tokens=4, sampling=params, seed=5,
