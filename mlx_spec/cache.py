@@ -43,18 +43,36 @@ class BoundedKVCache(RotatingKVCache):
     def make_mask(self, N: int, window_size: Optional[int] = None, return_array: bool = False):
         if N == 1 or not self.verifying or window_size is not None:
             return super().make_mask(N, window_size=window_size, return_array=return_array)
-        p, keep, size = self.offset, self.keep, self.max_size
-        # The positions of the columns the update will hand over (update_and_fetch keeps the
-        # old entries in temporal order: all of them, or the first `keep` and the latest).
+        rows = mx.arange(self.offset, self.offset + N)
+        columns = mx.concatenate([self._held_positions(), rows])
+        return (columns <= rows[:, None]) & self._in_window(columns, rows)
+
+    def tree_mask(self, depths: Sequence[int], ancestors) -> mx.array:
+        """The mask of a tree pass over nodes at these depths (ancestors [n, n] bool: node i
+        sees node j): as one-token decoding of each node's path would see the cache, the node
+        at position offset + depth."""
+        rows = self.offset + mx.array(list(depths))
+        held = self._held_positions()
+        visible = mx.concatenate([mx.ones((len(depths), held.size), mx.bool_), mx.array(ancestors)], axis=1)
+        return visible & self._in_window(mx.concatenate([held, rows]), rows)
+
+    def _held_positions(self) -> mx.array:
+        """The positions of the columns a multi-token update will hand over before the new ones
+        (update_and_fetch keeps the old entries in temporal order: all of them, or the first
+        `keep` and the latest)."""
+        p, keep = self.offset, self.keep
         if self.keys is None:
             held = 0
         else:   # what _temporal_order hands _update_concat, then cut to size - 1
             whole = self._idx == self.keys.shape[2] or self._idx < self.offset
-            held = min(self.keys.shape[2] if whole else self._idx, size - 1)
-        old = mx.arange(p) if held == p else mx.concatenate([mx.arange(keep), mx.arange(p - (held - keep), p)])
-        columns = mx.concatenate([old, mx.arange(p, p + N)])
-        rows = mx.arange(p, p + N)[:, None]
-        return (columns <= rows) & ((columns < keep) | (columns >= rows - (size - keep - 1)))
+            held = min(self.keys.shape[2] if whole else self._idx, self.max_size - 1)
+        return mx.arange(p) if held == p else mx.concatenate([mx.arange(keep), mx.arange(p - (held - keep), p)])
+
+    def _in_window(self, columns: mx.array, rows: mx.array) -> mx.array:
+        """[rows, columns]: the column is one a query at that row's position sees in one-token
+        decoding (the first `keep`, or within the latest max_size - keep)."""
+        rows = rows[:, None]
+        return (columns < self.keep) | (columns >= rows - (self.max_size - self.keep - 1))
 
 
 def is_bounded(cache: Sequence[Any]) -> bool:
@@ -202,9 +220,12 @@ def check_speculation(cache: Sequence[Any], model_type: str, what: str = "specul
 def _not_for_trees(cache: Sequence[Any]) -> List[str]:
     """The kinds of the cache's layers that cannot hold a tree: tree verification writes every
     node's K/V, then moves the accepted path's rows into place (tree.compact), which needs one
-    row per position as in a plain KVCache; a recurrent layer runs the tree one depth at a
-    time (tree.recurrent_by_depth). A layer with both (a CacheList) cannot."""
-    return sorted({type(c).__name__ for c in cache if type(c) is not KVCache and not isinstance(c, ArraysCache)})
+    row per position as in a plain KVCache or a BoundedKVCache after a multi-token update
+    (BoundedKVCache.tree_mask); a recurrent layer runs the tree one depth at a time
+    (tree.recurrent_by_depth). A layer with both (a CacheList) cannot; nor can a model's own
+    sliding windows (mlx-lm masks them itself)."""
+    return sorted({type(c).__name__ for c in cache
+                   if type(c) not in (KVCache, BoundedKVCache) and not isinstance(c, ArraysCache)})
 
 
 def holds_trees(cache: Sequence[Any]) -> bool:

@@ -335,7 +335,7 @@ class Engine:
         mx.eval(logits, drafts)
         drafts = drafts.tolist()
         nodes, next_token = verify_tree(logits[0], drafts, tree, self.sampler, draft.q, len(context))
-        compact(self.cache, start, nodes, self.replay)
+        compact(self.cache, start, nodes, len(tree), self.replay)
         path = [node - 1 for node in nodes[1:]]
         self.cached_tokens = context + [drafts[i] for i in path]
         return self._kept(context, drafts, path, next_token, taps, mx.array(nodes))

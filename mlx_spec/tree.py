@@ -108,9 +108,12 @@ def tree_forward(target, tokens: mx.array, tree: Tree, cache, taps=(), replay=No
     """One target pass over the tree nodes (tokens [n]): (logits [1, n, V], taps). Attention
     layers see the tree through the mask; recurrent layers run one depth at a time
     (`recurrent_by_depth`); `replay` (cache.Replay) records them for `compact`."""
-    from .cache import is_recurrent
+    from .cache import BoundedKVCache, is_recurrent
 
     context_length = next((c.offset for c in cache if not is_recurrent(c)), 0)   # 0: no attention
+    bounded = next((c for c in cache if isinstance(c, BoundedKVCache)), None)    # --max-kv-size
+    mask = (bounded.tree_mask(tree.depths, tree.ancestors_mask()) if bounded is not None
+            else tree.attention_mask(context_length))
     groups = tree.depth_groups()
     # Each attention's rope (any rope variant) runs once per depth group; recurrent layers have none.
     attentions = [m for layer, c in zip(target.layers, cache) if not is_recurrent(c)
@@ -119,7 +122,7 @@ def tree_forward(target, tokens: mx.array, tree: Tree, cache, taps=(), replay=No
     try:
         for attention, rope in zip(attentions, originals):
             attention.rope = DepthRope(rope, groups)
-        return target.forward(tokens[None], cache, taps, mask=tree.attention_mask(context_length),
+        return target.forward(tokens[None], cache, taps, mask=mask,
                               replay=replay, recurrent=lambda call, x, c: recurrent_by_depth(tree, call, x, c))
     finally:
         for attention, rope in zip(attentions, originals):
@@ -146,19 +149,25 @@ def recurrent_by_depth(tree: Tree, call, x: mx.array, cache) -> mx.array:
     return mx.concatenate(outputs)[None]
 
 
-def compact(cache, start: int, path: Sequence[int], replay=None) -> None:
-    """Move the K/V rows of the accepted path's nodes (tree node indices, written at
-    start + node) to start, start + 1, ...; the cache then ends after the path. Recurrent
-    layers take the path's state from the pass's replay (cache.Replay.follow)."""
-    from .cache import is_recurrent
+def compact(cache, start: int, path: Sequence[int], nodes: int, replay=None) -> None:
+    """Move the K/V rows of the accepted path's nodes (tree node indices of a pass over
+    `nodes` nodes, written at start + node) to start, start + 1, ...; the cache then ends after
+    the path. Recurrent layers take the path's state from the pass's replay (Replay.follow)."""
+    from .cache import BoundedKVCache, is_recurrent
 
-    rows = mx.array([start + node for node in path])
     end = start + len(path)
     for c in cache:
         if is_recurrent(c):
             continue
-        c.keys[..., start:end, :] = c.keys[..., rows, :]
-        c.values[..., start:end, :] = c.values[..., rows, :]
+        # A KVCache holds position q at row q; a BoundedKVCache holds the pass's nodes after
+        # the `first` rows it kept (in temporal order), and ends with the path.
+        first = c.keys.shape[2] - nodes if isinstance(c, BoundedKVCache) else start
+        rows = mx.array([first + node for node in path])
+        c.keys[..., first:first + len(path), :] = c.keys[..., rows, :]
+        c.values[..., first:first + len(path), :] = c.values[..., rows, :]
+        if isinstance(c, BoundedKVCache):
+            c.keys, c.values = c.keys[..., :first + len(path), :], c.values[..., :first + len(path), :]
+            c._idx = first + len(path)
         c.offset = end
     if replay is not None:
         replay.follow(path)

@@ -134,3 +134,68 @@ def test_a_bounded_conversation_and_seeded_sampling_equal_draft_none():
         expected = run(plain, context, 20, seed=turn)[0]
         assert run(model, context, 20, seed=turn)[0] == expected, turn
         context += expected + [3, 4]
+
+
+def test_a_tree_pass_over_a_bounded_cache_equals_bounded_decoding_of_each_path():
+    """Past the size: every node's logits are those of one-token decoding of its path over
+    mlx-lm's bounded cache; after compaction the cache holds what that decoding holds."""
+    from test_tree import PARENTS
+
+    from mlx_spec.cache import make_cache
+    from mlx_spec.tree import Tree, compact, tree_forward
+
+    target, tree = qwen3_target(), Tree(PARENTS)
+    context = LONG_PROMPT[:30]            # past the window of 16
+    node_tokens = [context[-1], 7, 8, 9, 10, 11, 12, 13]
+
+    def decoded(tokens):
+        """Bounded one-token decoding after a prefill of context[:-1]: (last logits, cache)."""
+        cache = make_cache(target.model, WINDOW)
+        target.model(mx.array(context[:-1])[None], cache=cache)
+        for token in tokens:
+            logits = target.model(mx.array([[token]]), cache=cache)
+        return logits[0, -1], cache
+
+    for accepted in (7, 6, 0):
+        cache = make_cache(target.model, WINDOW)
+        target.model(mx.array(context[:-1])[None], cache=cache)
+        logits, _ = tree_forward(target, mx.array(node_tokens), tree, cache)
+        for node in range(len(tree)):
+            expected, _ = decoded([node_tokens[i] for i in tree.path_to(node)])
+            assert mx.allclose(logits[0, node], expected, atol=1e-4).item(), node
+        path = tree.path_to(accepted)
+        compact(cache, len(context) - 1, path, len(tree))
+        _, plain = decoded([node_tokens[i] for i in path])
+        for ours, theirs in zip(cache, plain):
+            assert ours.offset == theirs.offset
+            a, b = ours._temporal_order(ours.keys), theirs._temporal_order(theirs.keys)
+            n = WINDOW - 1    # the window a next token sees besides itself
+            assert mx.allclose(a[..., :4, :], b[..., :4, :], atol=1e-4).item()
+            assert mx.allclose(a[..., -(n - 4):, :], b[..., -(n - 4):, :], atol=1e-4).item()
+
+
+@pytest.mark.parametrize("source", ["scripted", "eagle-tree"])
+def test_trees_over_a_bounded_cache_equal_mlx_lm_past_its_size(tmp_path, source):
+    from test_eagle import random_eagle, save_eagle
+    from test_tree import ScriptedTreeDrafter
+
+    from mlx_spec.models.eagle3 import load_eagle3
+
+    target = qwen3_target()
+    expected = mlx_lm_bounded(target.model, LONG_PROMPT, 48)
+    if source == "scripted":
+        drafter = ScriptedTreeDrafter(expected, 32)
+    else:
+        eagle = random_eagle(target, seed=5, scale=2.0, hidden_size=target.hidden_size, aux_layer_ids=[0, 1])
+        drafter = EagleDrafter(load_eagle3(save_eagle(eagle, tmp_path / "eagle", "speculators"), target),
+                               target.vocab_size, tree_budget=12, tree_topk=3)
+    engine = Engine(target, drafter, num_draft_tokens=4, adaptive=False, max_kv_size=WINDOW)
+    tokens, stats = run(engine, LONG_PROMPT, 48)
+    assert tokens == expected
+    assert stats.drafted > 0 and (source != "scripted" or stats.tokens_per_step > 3)
+    if source == "eagle-tree":   # seeded sampling: what --draft none --seed S prints
+        params = SamplingParams(temp=1.0)
+        plain = run(Engine(target, max_kv_size=WINDOW, sampling=params, seed=3), LONG_PROMPT, 40)[0]
+        engine = Engine(target, drafter, num_draft_tokens=4, adaptive=False, max_kv_size=WINDOW,
+                        sampling=params, seed=3)
+        assert run(engine, LONG_PROMPT, 40)[0] == plain

@@ -65,7 +65,7 @@ def test_tree_pass_equals_plain_paths_and_compaction(arch, rope_scaling):
     assert type(target.layers[0].self_attn.rope).__name__ != "DepthRope"   # restored
 
     path = tree.path_to(7)
-    compact(cache, len(context) - 1, path)
+    compact(cache, len(context) - 1, path, len(tree))
     plain_cache = make_prompt_cache(target.model)
     target.forward(mx.array(context[:-1] + [node_tokens[i] for i in path])[None], plain_cache)
     for c, p in zip(cache, plain_cache):

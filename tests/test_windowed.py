@@ -329,7 +329,7 @@ def test_a_tree_pass_over_recurrent_layers_equals_plain_paths(arch):
             plain = target.model(mx.array(context[:-1] + path)[None])[0, -1]
             assert np.allclose(np.array(logits[0, node]), np.array(plain), atol=1e-4), (arch, node)
         path = tree.path_to(accepted)
-        compact(cache, len(context) - 1, path, replay)
+        compact(cache, len(context) - 1, path, len(tree), replay)
         plain = make_cache(target.model)
         target.model(mx.array(context[:-1] + [node_tokens[i] for i in path])[None], cache=plain)
         layers_equal(cache, plain, len(context) - 1 + len(path))
