@@ -6,8 +6,9 @@ window it has rotated over the entries a rollback would need, and the engine reb
 from the tokens (exact, a prefill). A rollback always follows a verification pass over several
 tokens, so a rebuild should only come where a rollback reaches behind the last pass: a new
 prompt that leaves the cached conversation earlier than the window. This counts them, on tiny
-random Gemma-3 and gpt-oss shapes (alternating sliding and global layers) with windows of 8 and
-32 tokens, 200 generated tokens per turn, three chat turns (each extends the last), then a
+random Gemma-3 and gpt-oss shapes (alternating sliding and global layers) and a Llama-4 shape
+(chunked attention: a ChunkedKVCache drops the previous chunk, so a rollback across a chunk
+boundary rebuilds), windows and chunks of 8 and 32 tokens, 200 generated tokens per turn, three chat turns (each extends the last), then a
 prompt that edits an early message; drafting with lookup and with a draft model of the same
 shape (rejections at every length).
 
@@ -33,6 +34,11 @@ def shapes(window):
         "gemma3_text": dict(common, model_type="gemma3_text", sliding_window_pattern=2, query_pre_attn_scalar=16),
         "gpt_oss": dict(common, model_type="gpt_oss", num_local_experts=4, num_experts_per_tok=2,
                         layer_types=["sliding_attention", "full_attention"] * 2),
+        # Llama 4: chunked attention (ChunkedKVCache) in three layers of four
+        "llama4": dict(model_type="llama4", text_config=dict(
+            common, model_type="llama4_text", attention_bias=False, attention_chunk_size=window,
+            interleave_moe_layer_step=2, intermediate_size_mlp=128, num_experts_per_tok=1, num_local_experts=2,
+            rope_scaling=None, use_qk_norm=True)),
     }
 
 

@@ -1,5 +1,5 @@
 """Targets whose caches are not plain KV caches: sliding windows (Gemma 3, gpt-oss alternating
-windows) and recurrent layers (Qwen3-Next, Qwen3.5, Mamba-2, Falcon-H1, LFM2), built from
+windows, Llama 4's chunked attention) and recurrent layers (Qwen3-Next, Qwen3.5, Mamba-2, Falcon-H1, LFM2), built from
 mlx-lm's own classes with tiny random weights, with contexts well past the window. Every output
 is plain mlx-lm's, token for token, or refused in one line before any token."""
 
@@ -21,6 +21,13 @@ WINDOWED = {
     "gpt_oss": dict(head_dim=16, sliding_window=WINDOW, num_local_experts=4, num_experts_per_tok=2,
                     intermediate_size=64, num_hidden_layers=4,
                     layer_types=["sliding_attention", "full_attention"] * 2),
+    # chunked attention (ChunkedKVCache, which drops the previous chunk) in three layers of four
+    "llama4": dict(num_hidden_layers=4, text_config=dict(
+        model_type="llama4_text", hidden_size=64, num_hidden_layers=4, intermediate_size=128, head_dim=16,
+        num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=32,
+        max_position_embeddings=1024, rope_theta=10000.0, rope_scaling=None, attention_bias=False,
+        attention_chunk_size=WINDOW, interleave_moe_layer_step=2, intermediate_size_mlp=128,
+        num_experts_per_tok=1, num_local_experts=2, use_qk_norm=True)),
 }
 RECURRENT = {
     "qwen3_next": dict(head_dim=16, linear_num_value_heads=2, linear_num_key_heads=2,
