@@ -9,8 +9,8 @@ what it needs is still there and otherwise says so, and the caller rebuilds the 
 tokens: never a cache that silently differs from a plain run."""
 
 from contextlib import contextmanager
-from pathlib import Path
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
@@ -73,6 +73,10 @@ class BoundedKVCache(RotatingKVCache):
         decoding (the first `keep`, or within the latest max_size - keep)."""
         rows = rows[:, None]
         return (columns < self.keep) | (columns >= rows - (self.max_size - self.keep - 1))
+
+
+def is_quantized(cache: Sequence[Any]) -> bool:
+    return any(isinstance(c, QuantizedKVCache) for c in _layers(cache))
 
 
 def is_bounded(cache: Sequence[Any]) -> bool:
@@ -152,8 +156,8 @@ def prompt_cache_metadata(path) -> Tuple[dict, List[str]]:
     return part(0), classes
 
 
-def read_prompt_cache(path, model, model_type: str):
-    """(cache, metadata) of a prompt cache file written by mlx_lm.cache_prompt, checked against
+def read_prompt_cache(path, model, model_type: str) -> List[Any]:
+    """The cache of a prompt cache file written by mlx_lm.cache_prompt, checked against
     the model: one line for a file that is missing, unreadable, of layer kinds mlx-spec cannot
     roll back, or of another model's shape."""
     from mlx_lm.models.cache import load_prompt_cache
@@ -165,7 +169,7 @@ def read_prompt_cache(path, model, model_type: str):
         raise MlxSpecError(f"the prompt cache file {path} holds {', '.join(unknown) or 'no layers'}: mlx-spec reads "
                            f"caches of {', '.join(PROMPT_CACHE_LAYERS)} layers")
     try:
-        cache, metadata = load_prompt_cache(str(path), return_metadata=True)
+        cache = load_prompt_cache(str(path))
     except Exception as e:
         raise MlxSpecError(f"cannot read the prompt cache file {path}: {e}") from None
     # The model's own cache after one token: the kinds and shapes a cache of this model has.
@@ -183,7 +187,7 @@ def read_prompt_cache(path, model, model_type: str):
     if not any(hasattr(c, "offset") for c in cache):
         raise MlxSpecError(f"the prompt cache file {path} does not say how many tokens it holds (a model without "
                            "attention layers): mlx-spec cannot continue it")
-    return cache, metadata
+    return cache
 
 
 def _layers(cache):

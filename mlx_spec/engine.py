@@ -20,8 +20,8 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence
 
 import mlx.core as mx
 
-from .cache import (QUANTIZED_SPECULATION, KVQuantization, Replay, batchable, check_speculation, check_tree, common_prefix_length,
-                    is_recurrent, make_cache, rollback_to, verification)
+from .cache import (QUANTIZED_SPECULATION, KVQuantization, Replay, batchable, check_speculation, check_tree,
+                    common_prefix_length, is_quantized, is_recurrent, make_cache, rollback_to, verification)
 from .drafters.base import Draft, Drafter, NoDrafter
 from .errors import MlxSpecError
 from .policy import DraftPlan, DraftPolicy, StepOutcome
@@ -247,12 +247,10 @@ class Engine:
         cache.read_prompt_cache): its n positions count as UNKNOWN_TOKEN, and a generate call's
         prompt is then [UNKNOWN_TOKEN] * n + what follows them. Returns n. Drafters that read the
         cached context (its features, or its tokens through a model) cannot continue it."""
-        from mlx_lm.models.cache import QuantizedKVCache
-
         if self.drafter.reads_cached_context:
             raise MlxSpecError("a prompt cache file holds no tokens, which this draft source reads for the "
                                "cached prompt: use --draft lookup, suffix or none")
-        if self.speculative and any(isinstance(c, QuantizedKVCache) for c in cache):
+        if self.speculative and is_quantized(cache):
             raise MlxSpecError(f"the prompt cache file is quantized (--kv-bits): {QUANTIZED_SPECULATION}: "
                                "use --draft none")
         n = max(c.offset for c in cache if hasattr(c, "offset"))

@@ -8,11 +8,15 @@ attention applies RoPE at `cache.offset + arange(n)`, so during a tree pass each
 rope variant stays exact). After the verdict the accepted path's K/V rows are gathered into
 contiguous cache slots (`compact`)."""
 
+import copy
+from functools import partial
 from typing import Callable, Dict, Hashable, Iterable, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+
+from .cache import BoundedKVCache, is_recurrent
 
 
 def breadth_first(nodes: Iterable[Hashable], parent_of: Callable[[Hashable], Optional[Hashable]],
@@ -108,8 +112,6 @@ def tree_forward(target, tokens: mx.array, tree: Tree, cache, taps=(), replay=No
     """One target pass over the tree nodes (tokens [n]): (logits [1, n, V], taps). Attention
     layers see the tree through the mask; recurrent layers run one depth at a time
     (`recurrent_by_depth`); `replay` (cache.Replay) records them for `compact`."""
-    from .cache import BoundedKVCache, is_recurrent
-
     context_length = next((c.offset for c in cache if not is_recurrent(c)), 0)   # 0: no attention
     bounded = next((c for c in cache if isinstance(c, BoundedKVCache)), None)    # --max-kv-size
     mask = (bounded.tree_mask(tree.depths, tree.ancestors_mask()) if bounded is not None
@@ -123,7 +125,7 @@ def tree_forward(target, tokens: mx.array, tree: Tree, cache, taps=(), replay=No
         for attention, rope in zip(attentions, originals):
             attention.rope = DepthRope(rope, groups)
         return target.forward(tokens[None], cache, taps, mask=mask,
-                              replay=replay, recurrent=lambda call, x, c: recurrent_by_depth(tree, call, x, c))
+                              replay=replay, recurrent=partial(recurrent_by_depth, tree))
     finally:
         for attention, rope in zip(attentions, originals):
             attention.rope = rope
@@ -135,8 +137,6 @@ def recurrent_by_depth(tree: Tree, call, x: mx.array, cache) -> mx.array:
     as a batch of one-position sequences, each from its parent's state (gathered from the
     depth before). call(inputs, cache) runs the layer. The cache keeps its state (the
     accepted path's is set by `compact`)."""
-    import copy
-
     outputs, states, previous = [], list(cache.cache), 0
     for depth, start, end in tree.depth_groups():
         if depth:   # each node's parent, among the nodes of the depth before
@@ -153,8 +153,6 @@ def compact(cache, start: int, path: Sequence[int], nodes: int, replay=None) -> 
     """Move the K/V rows of the accepted path's nodes (tree node indices of a pass over
     `nodes` nodes, written at start + node) to start, start + 1, ...; the cache then ends after
     the path. Recurrent layers take the path's state from the pass's replay (Replay.follow)."""
-    from .cache import BoundedKVCache, is_recurrent
-
     end = start + len(path)
     for c in cache:
         if is_recurrent(c):

@@ -94,18 +94,12 @@ def mlx_lm_bounded(model, prompt, max_tokens):
 
 def feature_drafter(source, target, tmp_path):
     """EAGLE-3 (a random layer) or DFlash (DDTree's block drafter, as a chain) on `target`."""
-    from test_dflash import random_dflash
-    from test_eagle import random_eagle, save_eagle
+    from test_windowed import random_feature_models
 
     from mlx_spec.drafters.dflash import DFlashDrafter
-    from mlx_spec.models.eagle3 import load_eagle3
 
-    if source == "eagle":
-        eagle = random_eagle(target, seed=5, scale=2.0, hidden_size=target.hidden_size, aux_layer_ids=[0, 1])
-        return EagleDrafter(load_eagle3(save_eagle(eagle, tmp_path / "eagle", "speculators"), target),
-                            target.vocab_size)
-    return DFlashDrafter(target, random_dflash(tmp_path, target, num_layers=1, target_layer_ids=(0, 1),
-                                               block_size=8)[0])
+    eagle, dflash = random_feature_models(target, tmp_path)
+    return EagleDrafter(eagle, target.vocab_size) if source == "eagle" else DFlashDrafter(target, dflash)
 
 
 @pytest.mark.parametrize("source", ["none", "lookup", "draft-model", "same-model", "eagle", "dflash"])
@@ -176,19 +170,16 @@ def test_a_tree_pass_over_a_bounded_cache_equals_bounded_decoding_of_each_path()
 
 @pytest.mark.parametrize("source", ["scripted", "eagle-tree"])
 def test_trees_over_a_bounded_cache_equal_mlx_lm_past_its_size(tmp_path, source):
-    from test_eagle import random_eagle, save_eagle
     from test_tree import ScriptedTreeDrafter
-
-    from mlx_spec.models.eagle3 import load_eagle3
+    from test_windowed import random_feature_models
 
     target = qwen3_target()
     expected = mlx_lm_bounded(target.model, LONG_PROMPT, 48)
     if source == "scripted":
         drafter = ScriptedTreeDrafter(expected, 32)
     else:
-        eagle = random_eagle(target, seed=5, scale=2.0, hidden_size=target.hidden_size, aux_layer_ids=[0, 1])
-        drafter = EagleDrafter(load_eagle3(save_eagle(eagle, tmp_path / "eagle", "speculators"), target),
-                               target.vocab_size, tree_budget=12, tree_topk=3)
+        drafter = EagleDrafter(random_feature_models(target, tmp_path)[0], target.vocab_size, tree_budget=12,
+                               tree_topk=3)
     engine = Engine(target, drafter, num_draft_tokens=4, adaptive=False, max_kv_size=WINDOW)
     tokens, stats = run(engine, LONG_PROMPT, 48)
     assert tokens == expected

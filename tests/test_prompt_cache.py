@@ -11,7 +11,7 @@ import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import load_prompt_cache, make_prompt_cache, save_prompt_cache
 from test_cli import assert_one_line_error, cli
-from tiny import save_model, tiny_chat_model_dir, tiny_config, tiny_model
+from tiny import tiny_chat_model_dir
 
 from mlx_spec.models.target import load_target
 
@@ -51,19 +51,6 @@ def mlx_lm_continues(target, path, max_tokens):
     return tokens
 
 
-def chat_model(path, **config):
-    """A tiny random model of this config with the default model's tokenizer and template."""
-    import shutil
-
-    from mlx_spec.convert.default import default_model_path
-
-    config = tiny_config(vocab_size=49152, hidden_size=64, context=2048, **config)
-    path = save_model(tiny_model(config, seed=1, scale=4.0), config, path)
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        shutil.copy(default_model_path() / name, path / name)
-    return path
-
-
 @pytest.fixture(scope="module")
 def made(tmp_path_factory):
     root = tmp_path_factory.mktemp("prompt-cache")
@@ -91,7 +78,7 @@ def test_refusals(made, tmp_path):
     code, _, err = cli(["generate", QUESTION, "--prompt-cache-file", file, "--draft", "model", "--draft-model",
                         str(model_dir)])
     assert_one_line_error(code, err, "a prompt cache file holds no tokens, which this draft source reads")
-    other = chat_model(tmp_path / "other", num_key_value_heads=4)   # 4 KV heads, not 2
+    other = tiny_chat_model_dir(tmp_path / "other", seed=1, num_key_value_heads=4)   # 4 KV heads, not 2
     code, _, err = cli(["generate", QUESTION, "--prompt-cache-file", file, "--model", str(other)])
     assert_one_line_error(code, err, f"was made with the model {model_dir}, not {other}")
     cache, metadata = load_prompt_cache(file, return_metadata=True)
@@ -105,7 +92,8 @@ def test_refusals(made, tmp_path):
     assert_one_line_error(code, err, "cannot read the prompt cache file")
     # Quantized (cache_prompt --kv-bits): plain decoding continues it, speculation is refused.
     quantized = tmp_path / "quantized.safetensors"
-    target = cache_prompt(chat_model(tmp_path / "head-dim-32", num_attention_heads=2), quantized, kv_bits=8)
+    target = cache_prompt(tiny_chat_model_dir(tmp_path / "head-dim-32", seed=1, num_attention_heads=2), quantized,
+                          kv_bits=8)
     code, out, err = cli(["generate", QUESTION, "--prompt-cache-file", str(quantized), "--draft", "none",
                           "-m", "12", "--json"])
     assert code == 0, err

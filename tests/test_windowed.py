@@ -152,21 +152,28 @@ def test_recurrent_chat_and_sampling(arch):
         assert run(engine, PROMPT, 30)[0] == plain
 
 
-@pytest.mark.parametrize("arch", ["qwen3_next", "mamba2", "falcon_h1"])
-def test_feature_drafters_on_recurrent_targets(arch, tmp_path):
-    """EAGLE-3 and DFlash tap the layers of hybrid and recurrent targets and stay exact."""
+def random_feature_models(target, tmp_path):
+    """A random EAGLE-3 layer (published layout, loaded) and a random DFlash model for `target`."""
     from test_dflash import random_dflash
     from test_eagle import random_eagle, save_eagle
 
+    from mlx_spec.models.eagle3 import load_eagle3
+
+    eagle = random_eagle(target, seed=5, scale=2.0, hidden_size=target.hidden_size,
+                         aux_layer_ids=list(range(min(3, target.num_layers))))
+    eagle = load_eagle3(save_eagle(eagle, tmp_path / "eagle", "speculators"), target)
+    return eagle, random_dflash(tmp_path, target, num_layers=1, target_layer_ids=(0, 1), block_size=8)[0]
+
+
+@pytest.mark.parametrize("arch", ["qwen3_next", "mamba2", "falcon_h1"])
+def test_feature_drafters_on_recurrent_targets(arch, tmp_path):
+    """EAGLE-3 and DFlash tap the layers of hybrid and recurrent targets and stay exact."""
     from mlx_spec.drafters.dflash import DFlashDrafter
     from mlx_spec.drafters.eagle import EagleDrafter
-    from mlx_spec.models.eagle3 import load_eagle3
 
     target = target_of(arch)
     expected = plain_greedy(target.model, PROMPT, 30)
-    eagle = random_eagle(target, seed=5, scale=2.0, hidden_size=target.hidden_size, aux_layer_ids=[0, 1, 2])
-    eagle = load_eagle3(save_eagle(eagle, tmp_path / "eagle", "speculators"), target)
-    dflash = random_dflash(tmp_path, target, num_layers=1, target_layer_ids=(0, 1), block_size=8)[0]
+    eagle, dflash = random_feature_models(target, tmp_path)
     for drafter in (EagleDrafter(eagle, target.vocab_size), DFlashDrafter(target, dflash)):
         tokens, stats = run(NoRebuild(target, drafter, num_draft_tokens=4, adaptive=False), PROMPT, 30)
         assert tokens == expected, type(drafter).__name__
@@ -219,15 +226,7 @@ def test_cache_after_each_step_is_a_plain_runs(arch):
         steps += 1
         plain = target.model.make_cache()
         target.model(mx.array(engine.cached_tokens)[None], cache=plain)
-        for ours, theirs in zip(leaves(engine.cache), leaves(plain)):
-            if hasattr(ours, "offset"):
-                assert ours.offset == theirs.offset == len(engine.cached_tokens)
-                pairs = [(ours.keys[..., :ours.offset, :], theirs.keys[..., :ours.offset, :]),
-                         (ours.values[..., :ours.offset, :], theirs.values[..., :ours.offset, :])]
-            else:
-                pairs = list(zip(ours.cache, theirs.cache))
-            for a, b in pairs:
-                assert np.allclose(np.array(a), np.array(b), atol=1e-4), steps
+        layers_equal(engine.cache, plain, len(engine.cached_tokens))
     assert steps > 5
 
 
@@ -378,22 +377,17 @@ def test_tree_drafts_on_recurrent_targets_are_token_identical(arch):
 def test_learned_tree_sources_on_a_hybrid_target(tmp_path):
     """EAGLE-3's tree, DDTree, Medusa's tree and suffix decoding's trees over Qwen3-Next's
     Gated DeltaNet and attention layers: token-identical to plain mlx-lm."""
-    from test_dflash import random_dflash
-    from test_eagle import random_eagle, save_eagle
     from test_medusa import random_heads, write
 
     from mlx_spec.drafters.ddtree import DDTreeDrafter
     from mlx_spec.drafters.eagle import EagleDrafter
     from mlx_spec.drafters.medusa import MedusaDrafter
     from mlx_spec.drafters.suffix import SuffixDrafter
-    from mlx_spec.models.eagle3 import load_eagle3
     from mlx_spec.models.medusa import load_medusa
 
     target = target_of("qwen3_next")
     expected = plain_greedy(target.model, PROMPT, 30)
-    eagle = random_eagle(target, seed=5, scale=2.0, hidden_size=target.hidden_size, aux_layer_ids=[0, 1, 2])
-    eagle = load_eagle3(save_eagle(eagle, tmp_path / "eagle", "speculators"), target)
-    dflash = random_dflash(tmp_path, target, num_layers=1, target_layer_ids=(0, 1), block_size=8)[0]
+    eagle, dflash = random_feature_models(target, tmp_path)
     medusa = load_medusa(write(tmp_path / "medusa", random_heads(target.hidden_size, 32)), target)
     drafters = (EagleDrafter(eagle, target.vocab_size, tree_budget=12, tree_topk=3),
                 DDTreeDrafter(target, dflash, budget=12, topk=3),

@@ -65,13 +65,14 @@ def run(engine, prompt, max_tokens, **kwargs):
     return tokens, stats
 
 
-def tiny_chat_model_dir(path, seed=0):
-    """A tiny random model with the default model's tokenizer and chat template."""
+def tiny_chat_model_dir(path, seed=0, **config):
+    """A tiny random model (config: tiny_config's overrides) with the default model's tokenizer
+    and chat template."""
     import shutil
 
     from mlx_spec.convert.default import default_model_path
 
-    config = tiny_config(vocab_size=49152, hidden_size=64, context=2048)
+    config = tiny_config(vocab_size=49152, hidden_size=64, context=2048, **config)
     path = save_model(tiny_model(config, seed=seed, scale=4.0), config, path)
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         shutil.copy(default_model_path() / name, path / name)

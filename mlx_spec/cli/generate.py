@@ -40,8 +40,7 @@ def open_prompt_cache(path, options: dict):
         raise MlxSpecError(f"the prompt cache file {path} was made with the model {made_by}, not {given}: "
                            "omit --model or give that one")
     engine = load_engine(options)
-    cache, _ = read_prompt_cache(path, engine.target.model, engine.target.model_type)
-    return engine, engine.resume(cache)
+    return engine, engine.resume(read_prompt_cache(path, engine.target.model, engine.target.model_type))
 
 
 @click.command("generate", short_help="Stream a reply to one prompt, then its statistics.")
