@@ -9,7 +9,7 @@ import mlx_spec  # noqa: F401  (OpenBLAS before mlx.core)
 import mlx.core as mx
 import pytest
 from mlx_lm.generate import generate_step
-from mlx_lm.models.cache import load_prompt_cache, make_prompt_cache, save_prompt_cache
+from mlx_lm.models.cache import RotatingKVCache, load_prompt_cache, make_prompt_cache, save_prompt_cache
 from test_cli import assert_one_line_error, cli
 from tiny import tiny_chat_model_dir
 
@@ -87,6 +87,13 @@ def test_refusals(made, tmp_path):
     assert_one_line_error(code, err, "was made by another model (its layers differ from this llama model's)")
     code, _, err = cli(["generate", QUESTION, "--prompt-cache-file", str(tmp_path / "missing.safetensors")])
     assert_one_line_error(code, err, "no prompt cache file")
+    # A bounded cache (cache_prompt --max-kv-size): a layer kind mlx-spec does not read.
+    target = load_target(model_dir, "float32")
+    bounded = [RotatingKVCache(max_size=8, keep=4) for _ in target.layers]   # llama ignores max_kv_size
+    target.model(mx.array([[1, 2, 3, 4, 5, 6, 7, 8, 9, 10]]), cache=bounded)
+    save_prompt_cache(str(tmp_path / "bounded.safetensors"), bounded, {"model": str(model_dir)})
+    code, _, err = cli(["generate", QUESTION, "--prompt-cache-file", str(tmp_path / "bounded.safetensors")])
+    assert_one_line_error(code, err, "holds RotatingKVCache: mlx-spec reads caches of KVCache, QuantizedKVCache")
     (tmp_path / "pickled.safetensors").write_bytes(b"\x80\x04\x95 not safetensors")
     code, _, err = cli(["generate", QUESTION, "--prompt-cache-file", str(tmp_path / "pickled.safetensors")])
     assert_one_line_error(code, err, "cannot read the prompt cache file")
