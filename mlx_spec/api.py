@@ -50,13 +50,17 @@ def load(path_or_hf_repo: Optional[str] = None, draft: str = "lookup", draft_mod
          sessions: bool = False, ngram_max: Optional[int] = None, ngram_min: Optional[int] = None,
          tree_budget: Optional[int] = None, tree_topk: Optional[int] = None, exit_layer: Optional[int] = None,
          suffix_memory: Optional[str] = None, kv_bits: Optional[int] = None, kv_group_size: int = 64,
-         quantized_kv_start: int = 5000, max_kv_size: Optional[int] = None, **sampling):
+         quantized_kv_start: int = 5000, max_kv_size: Optional[int] = None, sharding: Optional[str] = None,
+         rank_timeout: Optional[float] = None, **sampling):
     """(model, tokenizer): the target (default: the embedded SmolLM2-135M-Instruct) with the
     draft source `draft` (see mlx_spec.drafters.DRAFTERS; `draft_model`: its checkpoint or draft
     model, a directory or repo id), adaptive by default. The source's own options (ngram_*,
     tree_*, exit_layer, suffix_memory) default to its registry entry's (None: not given); one it does not read
     is refused. kv_bits, kv_group_size, quantized_kv_start: mlx-lm's quantized KV cache (with
     draft="none" only: see cache.KVQuantization); max_kv_size: its bounded one.
+    sharding ("tensor" or "pipeline"): the target split over the processes mlx.launch started
+    (distributed.py): rank 0 gets the engine; on the other ranks load serves rank 0's passes and
+    ends the process when rank 0 is done (or gone); rank_timeout: seconds rank 0 waits for them.
     `sampling` (temp, top_p, top_k, min_p, seed) sets the engine's defaults, which each generate
     call may override."""
     from .cache import KVQuantization, is_bounded
@@ -70,15 +74,47 @@ def load(path_or_hf_repo: Optional[str] = None, draft: str = "lookup", draft_mod
     options = source_options(draft, draft_model=draft_model_path(draft, draft_model), dtype=dtype,
                              ngram_max=ngram_max, ngram_min=ngram_min, tree_budget=tree_budget,
                              tree_topk=tree_topk, exit_layer=exit_layer, suffix_memory=suffix_memory)
-    target = load_target(model_path(path_or_hf_repo, revision), dtype)
-    drafter = make_drafter(draft, target, options)
     seed = sampling.pop("seed", None)
-    engine = Engine(target, drafter, num_draft_tokens=num_draft_tokens, sampling=sampling_params(**sampling),
-                    seed=seed, residual=residual_sampling, adaptive=adaptive, stop_early=stop_early,
-                    sessions=sessions, kv_quantization=kv_quantization, max_kv_size=max_kv_size)
+    settings = dict(num_draft_tokens=num_draft_tokens, sampling=sampling_params(**sampling), seed=seed,
+                    residual=residual_sampling, adaptive=adaptive, stop_early=stop_early, sessions=sessions,
+                    kv_quantization=kv_quantization, max_kv_size=max_kv_size)
+    if sharding:
+        return _load_split(model_path(path_or_hf_repo, revision), dtype, draft, options, settings, sharding,
+                           rank_timeout)
+    if rank_timeout is not None:
+        raise MlxSpecError("rank_timeout (--rank-timeout) is for a split target: give sharding too")
+    target = load_target(model_path(path_or_hf_repo, revision), dtype)
+    engine = Engine(target, make_drafter(draft, target, options), **settings)
     if max_kv_size and not is_bounded(engine.cache):
         print(f"mlx-spec: --max-kv-size: this {target.model_type} model builds its own cache, which mlx-lm "
               "does not bound either", file=sys.stderr)
+    return engine, target.tokenizer
+
+
+def _load_split(path, dtype, draft, options, settings, sharding, rank_timeout):
+    """load's (engine, tokenizer) on rank 0 of a split target; the other ranks follow it, then exit."""
+    import atexit
+
+    from .distributed import RANK_TIMEOUT, STOP, Channel, SplitEngine, Watchdog, follow, init_group, shard_model
+    from .drafters import make_drafter
+    from .models.target import load_target
+
+    group = init_group(sharding)
+    target = load_target(path, dtype, shard=lambda model, config: shard_model(model, config, sharding, group))
+    if group.rank() != 0:
+        follower = Engine(target, None, **dict(settings, sessions=False))
+        try:
+            follow(follower, Channel(group))
+        except (RuntimeError, MlxSpecError):
+            sys.exit(1)   # rank 0 is gone (it reports why) or sent what this rank cannot run
+        sys.exit(0)
+    channel = Channel(group, Watchdog(rank_timeout or RANK_TIMEOUT))
+    try:
+        engine = SplitEngine(target, make_drafter(draft, target, options), channel, **settings)
+    except MlxSpecError:
+        channel.send(STOP)   # the others end with this rank
+        raise
+    atexit.register(engine.stop)
     return engine, target.tokenizer
 
 

@@ -284,8 +284,10 @@ class Engine:
         self.replay = None   # it replays from the state before the verification pass
         for i in range(len(self.cached_tokens), len(tokens), PREFILL_CHUNK):
             chunk = tokens[i:min(i + PREFILL_CHUNK, len(tokens))]
-            _, taps = self.target.forward(mx.array(chunk)[None], self.cache, self.drafter.taps)
-            mx.eval([c.state for c in self.cache], taps)
+            logits, taps = self.target.forward(mx.array(chunk)[None], self.cache, self.drafter.taps)
+            # The last position's logits too (a small head): the ranks of a split target must run
+            # the same collectives, whatever layers each one taps (distributed.py).
+            mx.eval([c.state for c in self.cache], taps, logits[:, -1])
             self.filled(chunk, taps, pieces)
             self._quantize_if_due()
         return {layer: mx.concatenate(hs, axis=1) for layer, hs in pieces.items()}
@@ -320,14 +322,12 @@ class Engine:
         drafts = draft.tokens if isinstance(draft.tokens, mx.array) else mx.array(draft.tokens, mx.int32)
         inputs = mx.concatenate([mx.array(context[-1:], mx.int32), drafts])
         start = len(context) - 1
-        self.replay = Replay(start) if self.recurrent else None
         if draft.parents is None:
-            forward = self.drafter.verify_forward or self.target.forward
-            with verification(self.cache):
-                logits, taps = forward(inputs[None], self.cache, self.drafter.taps, replay=self.replay)
+            logits, taps = self.chain_pass(inputs, start)
             decision = verify_chain(logits[0], drafts, draft.q, self.sampler, len(context))
             mx.eval(decision, drafts)
             return self.settle_chain(context, drafts.tolist(), *decision.tolist(), taps)
+        self.replay = Replay(start) if self.recurrent else None
         tree = Tree(draft.parents)
         logits, taps = tree_forward(self.target, inputs, tree, self.cache, self.drafter.taps, self.replay)
         mx.eval(logits, drafts)
@@ -337,6 +337,14 @@ class Engine:
         path = [node - 1 for node in nodes[1:]]
         self.cached_tokens = context + [drafts[i] for i in path]
         return self._kept(context, drafts, path, next_token, taps, mx.array(nodes))
+
+    def chain_pass(self, inputs: mx.array, start: int):
+        """The target's pass over inputs [last token, drafts...] at positions start..: (logits,
+        taps); the cache then holds them all, and a later roll-back replays recurrent layers."""
+        self.replay = Replay(start) if self.recurrent else None
+        forward = self.drafter.verify_forward or self.target.forward
+        with verification(self.cache):
+            return forward(inputs[None], self.cache, self.drafter.taps, replay=self.replay)
 
     def settle_chain(self, context: List[int], drafts: List[int], n_accepted: int, next_token: int,
                      taps: Dict[int, mx.array]) -> Verdict:

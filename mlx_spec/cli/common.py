@@ -90,6 +90,12 @@ def model_options(f):
         click.option("--residual-sampling", is_flag=True,
                      help="Accept sampled drafts by the residual rule (may accept more; the output for a "
                           "seed then depends on the draft source and timing)."),
+        click.option("--sharding", type=click.Choice(["tensor", "pipeline"]), default=None,
+                     help="Split the target over the processes mlx.launch starts (mlx-lm's sharding: "
+                          "tensor parallel, or pipeline stages); rank 0 drafts and prints."),
+        click.option("--rank-timeout", type=click.FloatRange(min=1), default=None,
+                     help="With --sharding: seconds a pass may wait for the other ranks before the run "
+                          "ends [120]."),
     ]
     for option in reversed(options):
         f = option(f)

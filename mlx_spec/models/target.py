@@ -5,7 +5,7 @@ embedding output (the input of layer 0).
 """
 
 from pathlib import Path
-from typing import Dict, Iterable, Optional
+from typing import Callable, Dict, Iterable, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -181,13 +181,13 @@ def apply_dtype(model: nn.Module, dtype: str) -> str:
     from mlx_lm.utils import dequantize_model
 
     dequantize_model(model)
-    model.set_dtype(getattr(mx, dtype))
-    mx.eval(model.parameters())
+    model.set_dtype(getattr(mx, dtype))   # lazily: the caller evaluates (the shard it keeps)
     return dtype
 
 
-def load_target(path, dtype: str = "auto") -> Target:
-    """Load an mlx-lm model directory (no hub access) as a Target."""
+def load_target(path, dtype: str = "auto", shard: Optional[Callable] = None) -> Target:
+    """Load an mlx-lm model directory (no hub access) as a Target. shard(model, config): split
+    the lazily loaded model (distributed.shard_model) before its weights are read."""
     from mlx_lm.utils import load_model, load_tokenizer
 
     path = Path(path)
@@ -206,5 +206,7 @@ def load_target(path, dtype: str = "auto") -> Target:
                                "converted from") from None
         raise MlxSpecError(f"cannot load the tokenizer of {path}: {one_line(e).rstrip(':')}") from None
     used = apply_dtype(model, dtype)
+    if shard is not None:
+        shard(model, config)
     mx.eval(model.parameters())
     return Target(model, tokenizer, config, path=str(path), dtype=used)

@@ -1,0 +1,262 @@
+"""The target split across processes: MLX's distributed layer (`mlx.launch`, any backend) and
+mlx-lm's own sharding (`model.shard`: tensor parallel; `model.model.pipeline`: pipeline stages).
+
+Rank 0 owns everything but the target's other shards: the tokenizer, the prompt, the drafter,
+the sampler and the output. Each operation that touches the target's cache is sent to the
+other ranks first (an op code and token ids, broadcast by an all_sum to which they add zeros),
+then run by every rank alike: a prefill, a verification pass, a roll-back, a reset. A rank runs
+the same passes over the same tokens, so every collective inside the model meets its partner;
+the verdict is rank 0's alone, and a roll-back carries its result. Nothing but token ids
+crosses between passes.
+"""
+
+import os
+import sys
+import threading
+import time
+from typing import List, Optional, Sequence, Tuple
+
+import mlx.core as mx
+
+from .engine import Engine
+from .errors import MlxSpecError
+
+SHARDINGS = ("tensor", "pipeline")
+RANK_TIMEOUT = 120.0   # seconds a pass may wait for another rank before the run ends
+
+# What rank 0 asks of the others.
+STOP, FILL, VERIFY, ROLLBACK, RESET = range(5)
+
+
+def init_group(sharding: str):
+    """The group of processes mlx.launch started (one line where there is none to split over)."""
+    if sharding not in SHARDINGS:
+        raise MlxSpecError(f"unknown sharding {sharding!r}: choose {' or '.join(SHARDINGS)}")
+    group = mx.distributed.init()
+    if group.size() < 2:
+        raise MlxSpecError(f"--sharding {sharding} splits the target over the processes that mlx.launch starts, "
+                           "and this one is alone: run `mlx.launch --hosts ... mlx-spec ...` (README)")
+    return group
+
+
+def _divisible(config: dict, size: int) -> Optional[str]:
+    cfg = config.get("text_config", config)
+    for key in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+        value = cfg.get(key)
+        if isinstance(value, int) and value % size:
+            return f"its {key} ({value}) is not a multiple of the {size} ranks"
+    return None
+
+
+def shard_model(model, config: dict, sharding: str, group) -> None:
+    """Split the (lazily loaded) model over the group as mlx-lm's sharded_load does; one line
+    where mlx-lm cannot split this model so."""
+    model_type = config.get("model_type", "this")
+    if sharding == "tensor":
+        if not hasattr(model, "shard"):
+            raise MlxSpecError(f"mlx-lm cannot tensor-shard a {model_type} model"
+                               + (": try --sharding pipeline" if hasattr(getattr(model, "model", None), "pipeline")
+                                  else ""))
+        why = _divisible(config, group.size())
+        if why:
+            raise MlxSpecError(f"cannot tensor-shard this {model_type} model over {group.size()} ranks: {why}")
+        model.shard(group)
+    else:
+        inner = getattr(model, "model", None)
+        if not hasattr(inner, "pipeline"):
+            raise MlxSpecError(f"mlx-lm has no pipeline stages for a {model_type} model"
+                               + (": try --sharding tensor" if hasattr(model, "shard") else ""))
+        if len(inner.layers) < group.size():
+            raise MlxSpecError(f"the model's {len(inner.layers)} layers cannot make {group.size()} pipeline stages")
+        inner.pipeline(group)
+
+
+def held_layers(target) -> range:
+    """The decoder layers whose outputs this rank computes (all of them under tensor sharding)."""
+    inner = getattr(target.model, "model", None)
+    start = getattr(inner, "start_idx", 0) or 0
+    end = getattr(inner, "end_idx", None)
+    return range(start, target.num_layers if end is None else end)
+
+
+class Watchdog:
+    """Ends the process with one line when rank 0 waits on the other ranks longer than
+    `seconds` (a rank that hangs; one that dies breaks the connection, which raises at once).
+    MLX releases the GIL while it waits, so this thread runs."""
+
+    def __init__(self, seconds: float):
+        self.seconds, self.deadline, self.what = seconds, None, ""
+        threading.Thread(target=self._watch, daemon=True).start()
+
+    def arm(self, what: str) -> None:
+        self.deadline, self.what = time.monotonic() + self.seconds, what
+
+    def _watch(self):
+        while True:
+            time.sleep(min(1.0, self.seconds / 4))
+            deadline = self.deadline
+            if deadline is not None and time.monotonic() > deadline:
+                print(f"Error: the other ranks did not answer within {self.seconds:g} s ({self.what}): a rank "
+                      "hangs or cannot be reached", file=sys.stderr, flush=True)
+                os._exit(1)
+
+
+class Channel:
+    """Rank 0's orders to the other ranks: [op, n, ints...] in one all_sum (a second one for
+    ints past the first FRAME), on the CPU stream as mlx-lm's collectives outside the model."""
+
+    FRAME = 64
+
+    def __init__(self, group, watchdog: Optional[Watchdog] = None):
+        self.group, self.watchdog = group, watchdog
+        self.broken = False   # a collective failed: a rank is gone
+
+    @property
+    def leader(self) -> bool:
+        return self.group.rank() == 0
+
+    def _all_sum(self, values: List[int]) -> List[int]:
+        out = mx.distributed.all_sum(mx.array(values, mx.int32), group=self.group, stream=mx.cpu)
+        mx.eval(out)
+        return out.tolist()
+
+    def _exchange(self, op: int, ints: Sequence[int]) -> Tuple[int, List[int]]:
+        ints = list(ints)
+        frame = [op, len(ints)] + ints[:self.FRAME] + [0] * (self.FRAME - len(ints[:self.FRAME]))
+        if not self.leader:
+            frame = [0] * len(frame)
+        op, n, *payload = self._all_sum(frame)
+        if n > self.FRAME:
+            rest = ints[self.FRAME:] if self.leader else [0] * (n - self.FRAME)
+            payload += self._all_sum(rest)
+        return op, payload[:n]
+
+    def send(self, op: int, ints: Sequence[int] = ()) -> None:
+        """Rank 0: order every other rank to run `op` (nothing once a rank is gone)."""
+        if self.broken:
+            return
+        with self.watching("an order to the other ranks"):
+            self._exchange(op, ints)
+
+    def receive(self) -> Tuple[int, List[int]]:
+        """The other ranks: wait (without limit: rank 0 may be waiting for its user) for an order."""
+        return self._exchange(STOP, ())
+
+    def watching(self, what: str):
+        return _Watching(self, what)
+
+
+class _Watching:
+    """Arms the watchdog for one wait on the other ranks (inside another: for its length, then
+    the outer one's again); turns a broken connection into one line."""
+
+    def __init__(self, channel: Channel, what: str):
+        self.channel, self.what = channel, what
+
+    def __enter__(self):
+        dog = self.channel.watchdog
+        if dog:
+            self.outer = (dog.deadline, dog.what)
+            dog.arm(self.what)
+
+    def __exit__(self, kind, error, traceback):
+        dog = self.channel.watchdog
+        if dog:
+            dog.deadline, dog.what = self.outer
+        if isinstance(error, RuntimeError):
+            self.channel.broken = True
+            raise MlxSpecError(f"the split target failed ({self.what}): {str(error).splitlines()[0]}; "
+                               "a rank stopped or cannot be reached") from None
+        return False
+
+
+def check_splittable(engine) -> None:
+    """What rank 0 cannot run over a split target, refused before the first token."""
+    drafter = engine.drafter
+    if drafter.verify_forward is not None:
+        raise MlxSpecError("this draft source runs the target's own layers on one process: "
+                           "with --sharding use lookup, suffix, a draft model, EAGLE-3, MTP, Medusa or DFlash")
+    held = held_layers(engine.target)
+    # taps[-1], the embedding's output, is what the stage holding layer 0 feeds it.
+    missing = [layer for layer in drafter.taps if layer not in held and not (layer == -1 and 0 in held)]
+    if missing:
+        names = ", ".join("the embedding" if layer == -1 else f"layer {layer}" for layer in missing)
+        raise MlxSpecError(f"the drafter reads {names} of the target, which rank 0 does not hold under pipeline "
+                           f"sharding (it holds layers {held.start}-{held.stop - 1}): use --sharding tensor, "
+                           "or a source that reads the last layers (mtp) or none (lookup, suffix, a draft model)")
+
+
+class SplitEngine(Engine):
+    """Rank 0's engine over a split target: every operation on the target's cache is ordered on
+    the other ranks first (the same code then runs there, distributed.follow). One generation
+    at a time; tree sources verify their chains."""
+
+    def __init__(self, target, drafter, channel: Channel, **settings):
+        self.channel = channel
+        if settings.get("sessions"):
+            raise MlxSpecError("a split target keeps one conversation: `mlx-spec serve` and engine sessions do "
+                               "not run over --sharding")
+        if drafter is not None and drafter.tree:
+            chains = drafter.chains()
+            if chains is None:
+                raise MlxSpecError("this draft source drafts trees only, which a split target does not verify: "
+                                   "use its chains (--tree-budget 0) or another source")
+            drafter = chains
+        super().__init__(target, drafter, **settings)
+        check_splittable(self)
+        self.channel.send(RESET)   # the other ranks start this engine's cache as it starts here
+
+    def spawn(self):
+        raise MlxSpecError("a split target (--sharding) runs one generation at a time")
+
+    def with_chain_drafts(self):
+        return None
+
+    def unbatchable(self) -> Optional[str]:
+        return "a split target (--sharding) runs one generation at a time"
+
+    def reset(self) -> None:
+        self.channel.send(RESET)
+        super().reset()
+
+    def _roll_back(self, length: int) -> None:
+        self.channel.send(ROLLBACK, [length])
+        super()._roll_back(length)
+
+    def _fill(self, tokens: List[int]):
+        self.channel.send(FILL, tokens)
+        with self.channel.watching("a prefill pass"):
+            return super()._fill(tokens)
+
+    def chain_pass(self, inputs: mx.array, start: int):
+        self.channel.send(VERIFY, inputs.tolist())   # drafts drawn lazily are evaluated here
+        return super().chain_pass(inputs, start)
+
+    def _verify(self, context, draft):
+        with self.channel.watching("a verification pass"):
+            return super()._verify(context, draft)
+
+    def stop(self) -> None:
+        """Let the other ranks go (their `follow` returns)."""
+        self.channel.send(STOP)
+
+
+def follow(engine, channel: Channel) -> None:
+    """The other ranks: run rank 0's orders on this rank's shard of the target until it says STOP."""
+    while True:
+        op, ints = channel.receive()
+        if op == STOP:
+            return
+        if op == FILL:
+            engine._fill(ints)
+        elif op == VERIFY:
+            logits, _ = engine.chain_pass(mx.array(ints, mx.int32), len(engine.cached_tokens))
+            mx.eval(logits, [c.state for c in engine.cache])
+            engine.cached_tokens = engine.cached_tokens + ints
+        elif op == ROLLBACK:
+            engine._roll_back(ints[0])
+            engine._quantize_if_due()   # where rank 0's verification ends
+        elif op == RESET:
+            engine.reset()
+        else:
+            raise MlxSpecError(f"unknown order {op} from rank 0")

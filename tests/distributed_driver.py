@@ -1,0 +1,104 @@
+"""Runs on every rank of a split target (tests/test_distributed.py starts two on 127.0.0.1):
+a tiny random target built alike on each rank and split by mlx-lm's sharding; mlx-lm's own
+decoding over the split target, then mlx-spec's with several sources. Rank 0 writes what each
+case generated (or why it was refused) as JSON.
+
+    python distributed_driver.py ARCH SHARDING OUT.json WORKDIR"""
+
+import json
+import sys
+from pathlib import Path
+
+import mlx_spec  # noqa: F401  (first: it loads OpenBLAS before mlx.core does any work)
+from tiny import run, tiny_config, tiny_model
+
+import mlx.core as mx
+
+from mlx_spec.distributed import STOP, Channel, SplitEngine, Watchdog, follow, init_group, shard_model
+from mlx_spec.engine import Engine
+from mlx_spec.errors import MlxSpecError
+from mlx_spec.models.target import Target
+from mlx_spec.sampling import SamplingParams
+
+PROMPT = [1, 5, 7, 9, 5, 7, 2, 3]
+TOKENS = 24
+SEED = 7
+# Small enough to build on every rank; heads, KV heads and MLP width split in two.
+EXTRA = {
+    "qwen3": dict(num_layers=3),
+    "qwen3_next": dict(head_dim=16, linear_num_value_heads=2, linear_num_key_heads=2, linear_key_head_dim=16,
+                       linear_value_head_dim=16, linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2,
+                       decoder_sparse_step=1, shared_expert_intermediate_size=64, mlp_only_layers=[],
+                       moe_intermediate_size=32, partial_rotary_factor=0.25, full_attention_interval=2,
+                       num_hidden_layers=4),
+}
+
+
+def model_of(arch, seed=0, **overrides):
+    config = tiny_config(arch, **{**EXTRA[arch], **overrides})
+    return tiny_model(config, seed=seed, scale=6.0), config
+
+
+def mlx_lm_greedy(model, prompt, n):
+    from mlx_lm.generate import generate_step, generation_stream
+
+    tokens = [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=n)]
+    # generate_step computes one step ahead, on its own stream: let that pass's collectives end
+    # before any other's start.
+    mx.synchronize(generation_stream)
+    return tokens
+
+
+def drafters(target, workdir, arch):
+    """name -> a function making the drafter (each case gets a fresh one)."""
+    from mlx_spec.drafters.draft_model import DraftModelDrafter
+    from mlx_spec.drafters.lookup import LookupDrafter
+
+    draft_model, draft_config = model_of("qwen3", seed=3, num_layers=1)
+    draft = Target(draft_model, None, draft_config)
+    cases = {"none": lambda: None, "lookup": LookupDrafter,
+             "draft_model": lambda: DraftModelDrafter(draft, target.vocab_size)}
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_windowed import random_feature_models
+
+    from mlx_spec.drafters.dflash import DFlashDrafter
+    from mlx_spec.drafters.eagle import EagleDrafter
+
+    eagle, dflash = random_feature_models(target, Path(workdir))
+    cases["eagle"] = lambda: EagleDrafter(eagle, target.vocab_size)
+    cases["dflash"] = lambda: DFlashDrafter(target, dflash)
+    return cases
+
+
+def main(arch, sharding, out, workdir):
+    group = init_group(sharding)
+    model, config = model_of(arch)
+    shard_model(model, config, sharding, group)
+    mx.eval(model.parameters())
+    target = Target(model, None, config)
+    # mlx-lm's own decoding of the split target (every rank runs it), the reference.
+    reference = mlx_lm_greedy(model, PROMPT, TOKENS)
+    if group.rank() != 0:
+        follow(Engine(target), Channel(group))
+        return
+    channel = Channel(group, Watchdog(60))
+    results = {"mlx_lm": reference, "cases": {}, "refused": {}}
+    for name, make in drafters(target, workdir, arch).items():
+        try:
+            engine = SplitEngine(target, make(), channel, num_draft_tokens=4, adaptive=False)
+        except MlxSpecError as e:
+            results["refused"][name] = str(e)
+            continue
+        first, stats = run(engine, PROMPT, TOKENS)
+        # A second turn: the cache keeps the first, drafts roll back on every rank.
+        follow_up = PROMPT + first + [3, 4]
+        second, _ = run(engine, follow_up, TOKENS)
+        sampled = run(engine, PROMPT, TOKENS, sampling=SamplingParams(temp=1.0), seed=SEED)[0]
+        results["cases"][name] = dict(first=first, second=second, follow_up=follow_up, sampled=sampled,
+                                      proposed=stats.proposed)
+    channel.send(STOP)
+    Path(out).write_text(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])

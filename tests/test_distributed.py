@@ -1,0 +1,192 @@
+"""The target split over two ranks on 127.0.0.1 (MLX's ring backend, as mlx.launch starts it):
+every source rank 0 runs decodes what mlx-lm decodes over the same split target and what one
+process decodes; a rank that dies or hangs ends the run in one line. The ranks are started and
+stopped here, bounded in time."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tiny import plain_greedy, run, tiny_chat_model_dir
+
+HERE = Path(__file__).parent
+LAUNCH_TIMEOUT = 240
+
+
+def free_ports(n):
+    sockets = [socket.socket() for _ in range(n)]
+    for s in sockets:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
+
+
+class Ranks:
+    """`command` started as ranks 0 and 1 of a ring on 127.0.0.1 (what mlx.launch does on
+    one host); every process is killed on exit."""
+
+    def __init__(self, command, tmp_path, cwd=HERE):
+        hostfile = tmp_path / "hosts.json"
+        hostfile.write_text(json.dumps([[f"127.0.0.1:{port}"] for port in free_ports(2)]))
+        self.procs = []
+        for rank in (1, 0):
+            env = dict(os.environ, MLX_RANK=str(rank), MLX_HOSTFILE=str(hostfile), HF_HUB_OFFLINE="1")
+            self.procs.insert(0, subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE,
+                                                  stderr=subprocess.PIPE, text=True))
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+            p.communicate()
+
+    def wait(self, timeout=LAUNCH_TIMEOUT):
+        out, err = self.procs[0].communicate(timeout=timeout)
+        self.follower_output = self.procs[1].communicate(timeout=30)
+        return self.procs[0].returncode, out, err
+
+
+@pytest.mark.parametrize("arch,sharding", [("qwen3", "tensor"), ("qwen3_next", "pipeline")])
+def test_split_target_decodes_exactly(arch, sharding, tmp_path):
+    """Greedy: each source over the split target = mlx-lm's decoding of the split target = one
+    process's, over two turns of a conversation; seeded sampling = --draft none --seed of one
+    process. Under pipeline stages, drafters reading layers rank 0 lacks are refused."""
+    import distributed_driver as driver
+
+    from mlx_spec.engine import Engine
+    from mlx_spec.models.target import Target
+    from mlx_spec.sampling import SamplingParams
+
+    out = tmp_path / "out.json"
+    with Ranks([sys.executable, "distributed_driver.py", arch, sharding, str(out), str(tmp_path)], tmp_path) as ranks:
+        rc, _, err = ranks.wait()
+    assert rc == 0, err[-2000:]
+    result = json.loads(out.read_text())
+
+    model, config = driver.model_of(arch)
+    alone = Target(model, None, config)
+    expected = plain_greedy(model, driver.PROMPT, driver.TOKENS)
+    assert result["mlx_lm"] == expected
+    sampled = run(Engine(alone, seed=driver.SEED), driver.PROMPT, driver.TOKENS,
+                  sampling=SamplingParams(temp=1.0), seed=driver.SEED)[0]
+    split_sources = {"tensor": {"none", "lookup", "draft_model", "eagle", "dflash"},
+                     "pipeline": {"none", "lookup", "draft_model"}}[sharding]
+    assert set(result["cases"]) == split_sources
+    for name, case in result["cases"].items():
+        assert case["first"] == expected, name
+        assert case["second"] == plain_greedy(model, case["follow_up"], driver.TOKENS), name
+        assert case["sampled"] == sampled, name
+        assert name == "none" or case["proposed"] > 0, name
+    if sharding == "pipeline":
+        assert set(result["refused"]) == {"eagle", "dflash"}
+        assert "rank 0 does not hold" in result["refused"]["eagle"]
+
+
+@pytest.fixture(scope="module")
+def chat_model(tmp_path_factory):
+    """A tiny qwen3 with the default model's tokenizer: heads and MLP split in two."""
+    return tiny_chat_model_dir(tmp_path_factory.mktemp("split") / "qwen3", arch="qwen3", num_layers=2)
+
+
+def cli(*args):
+    return [sys.executable, "-m", "mlx_spec", *args]
+
+
+def test_cli_generate_over_two_ranks(chat_model, tmp_path):
+    """`mlx-spec generate --sharding tensor` on two ranks prints what one process prints."""
+    from click.testing import CliRunner
+
+    from mlx_spec.cli import main as mlx_spec_cli
+
+    args = ["generate", "--model", str(chat_model), "--json", "-m", "40", "Count to ten"]
+    alone = CliRunner().invoke(mlx_spec_cli, args + ["--draft", "none"])
+    assert alone.exit_code == 0, alone.output
+    with Ranks(cli(*args, "--draft", "lookup", "--sharding", "tensor"), tmp_path) as ranks:
+        rc, out, err = ranks.wait()
+    assert rc == 0, err[-2000:]
+    assert json.loads(out)["tokens"] == json.loads(alone.output)["tokens"]
+    assert ranks.procs[1].returncode == 0
+    assert ranks.follower_output == ("", "")   # only rank 0 prints
+
+
+def started_streaming(ranks, seconds=120):
+    """Wait until rank 0 has printed some of its reply."""
+    import select
+
+    deadline = time.monotonic() + seconds
+    stdout = ranks.procs[0].stdout
+    while time.monotonic() < deadline:
+        if select.select([stdout], [], [], 0.1)[0]:
+            return True
+        assert ranks.procs[0].poll() is None, ranks.procs[0].stderr.read()
+    return False
+
+
+@pytest.mark.parametrize("how", ["killed", "hung"])
+def test_a_lost_rank_ends_the_run_in_one_line(how, chat_model, tmp_path):
+    """Rank 1 killed (its connection breaks) or stopped (it stays silent) mid-reply: rank 0 ends
+    within the timeout with one line, never a traceback or a hang."""
+    args = cli("generate", "--model", str(chat_model), "--draft", "lookup", "--sharding", "tensor",
+               "--rank-timeout", "4", "-m", "1500", "--no-chat-template", "a b c a b c")
+    with Ranks(args, tmp_path) as ranks:
+        assert started_streaming(ranks)
+        os.kill(ranks.procs[1].pid, signal.SIGKILL if how == "killed" else signal.SIGSTOP)
+        tic = time.monotonic()
+        try:
+            ranks.procs[0].wait(timeout=30)
+        finally:
+            ranks.procs[1].kill()
+        assert time.monotonic() - tic < 30
+        err = ranks.procs[0].stderr.read()
+    assert ranks.procs[0].returncode == 1
+    assert "Traceback" not in err
+    ours = [line for line in err.splitlines() if "rank" in line and not line.startswith("[ring]")]
+    assert len(ours) == 1, err
+    assert ("a rank stopped or cannot be reached" if how == "killed" else "did not answer within 4 s") in ours[0]
+
+
+def test_refusals_before_the_first_token(tmp_path):
+    """What cannot run split is refused in one line (no ranks needed to tell)."""
+    from mlx_spec.distributed import Channel, SplitEngine, init_group, shard_model
+    from mlx_spec.errors import MlxSpecError
+    from tiny import tiny_config, tiny_model
+
+    with pytest.raises(MlxSpecError, match="this one is alone"):
+        init_group("tensor")
+
+    class TwoRanks:
+        def size(self):
+            return 2
+
+        def rank(self):
+            return 0
+
+    config = tiny_config("llama", num_attention_heads=9, num_key_value_heads=3, hidden_size=72)
+    with pytest.raises(MlxSpecError, match=r"num_attention_heads \(9\) is not a multiple of the 2 ranks"):
+        shard_model(tiny_model(config), config, "tensor", TwoRanks())
+    config = tiny_config("llama")
+    with pytest.raises(MlxSpecError, match="no pipeline stages for a llama model: try --sharding tensor"):
+        shard_model(tiny_model(config), config, "pipeline", TwoRanks())
+
+    from mlx_spec.drafters.layerskip import LayerSkipDrafter
+    from mlx_spec.models.target import Target
+
+    target = Target(tiny_model(config), None, config)
+    channel = Channel(TwoRanks())
+    channel.broken = True   # nothing may be sent: these are refused before any order
+    with pytest.raises(MlxSpecError, match="keeps one conversation"):
+        SplitEngine(target, None, channel, sessions=True)
+    with pytest.raises(MlxSpecError, match="runs the target's own layers"):
+        SplitEngine(target, LayerSkipDrafter(target, 1), channel)
