@@ -18,14 +18,14 @@ from typing import List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
-from .engine import Engine
+from .engine import Engine, PendingVerification
 from .errors import MlxSpecError
 
 SHARDINGS = ("tensor", "pipeline")
 RANK_TIMEOUT = 120.0   # seconds a pass may wait for another rank before the run ends
 
 # What rank 0 asks of the others.
-STOP, FILL, VERIFY, ROLLBACK, RESET = range(5)
+STOP, FILL, VERIFY, ROLLBACK, RESET, QUANTIZE = range(6)
 
 
 def init_group(sharding: str):
@@ -220,7 +220,8 @@ class SplitEngine(Engine):
         super().reset()
 
     def _roll_back(self, length: int) -> None:
-        self.channel.send(ROLLBACK, [length])
+        if length < len(self.cached_tokens):   # else nothing to drop (a step that kept every draft)
+            self.channel.send(ROLLBACK, [length])
         super()._roll_back(length)
 
     def _fill(self, tokens: List[int]):
@@ -235,6 +236,12 @@ class SplitEngine(Engine):
     def _verify(self, context, draft):
         with self.channel.watching("a verification pass"):
             return super()._verify(context, draft)
+
+    def _pass(self, pending):
+        reply = super()._pass(pending)
+        if self.kv_quantization and isinstance(pending, PendingVerification):
+            self.channel.send(QUANTIZE)   # as this rank did after the verification (a prefill's
+        return reply                       # chunks quantize alike on every rank)
 
     def stop(self) -> None:
         """Let the other ranks go (their `follow` returns)."""
@@ -255,7 +262,8 @@ def follow(engine, channel: Channel) -> None:
             engine.cached_tokens = engine.cached_tokens + ints
         elif op == ROLLBACK:
             engine._roll_back(ints[0])
-            engine._quantize_if_due()   # where rank 0's verification ends
+        elif op == QUANTIZE:
+            engine._quantize_if_due()
         elif op == RESET:
             engine.reset()
         else:

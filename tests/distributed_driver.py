@@ -14,6 +14,7 @@ from tiny import run, tiny_config, tiny_model
 
 import mlx.core as mx
 
+from mlx_spec.cache import KVQuantization
 from mlx_spec.distributed import STOP, Channel, SplitEngine, Watchdog, follow, init_group, shard_model
 from mlx_spec.engine import Engine
 from mlx_spec.errors import MlxSpecError
@@ -25,7 +26,7 @@ TOKENS = 24
 SEED = 7
 # Small enough to build on every rank; heads, KV heads and MLP width split in two.
 EXTRA = {
-    "qwen3": dict(num_layers=3),
+    "qwen3": dict(num_layers=3, head_dim=32),   # 32: a KV quantization group
     "qwen3_next": dict(head_dim=16, linear_num_value_heads=2, linear_num_key_heads=2, linear_key_head_dim=16,
                        linear_value_head_dim=16, linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2,
                        decoder_sparse_step=1, shared_expert_intermediate_size=64, mlp_only_layers=[],
@@ -39,10 +40,13 @@ def model_of(arch, seed=0, **overrides):
     return tiny_model(config, seed=seed, scale=6.0), config
 
 
-def mlx_lm_greedy(model, prompt, n):
+KV_BITS = dict(kv_bits=4, kv_group_size=32, quantized_kv_start=0)
+
+
+def mlx_lm_greedy(model, prompt, n, **cache_flags):
     from mlx_lm.generate import generate_step, generation_stream
 
-    tokens = [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=n)]
+    tokens = [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=n, **cache_flags)]
     # generate_step computes one step ahead, on its own stream: let that pass's collectives end
     # before any other's start.
     mx.synchronize(generation_stream)
@@ -78,8 +82,13 @@ def main(arch, sharding, out, workdir):
     target = Target(model, None, config)
     # mlx-lm's own decoding of the split target (every rank runs it), the reference.
     reference = mlx_lm_greedy(model, PROMPT, TOKENS)
+    quantized = mlx_lm_greedy(model, PROMPT, TOKENS, **KV_BITS) if arch == "qwen3" else None
+    kv_quantization = KVQuantization(*KV_BITS.values())
     if group.rank() != 0:
-        follow(Engine(target), Channel(group))
+        channel = Channel(group)
+        follow(Engine(target), channel)
+        if quantized is not None:   # the same ranks, a quantized cache (--kv-bits, --draft none)
+            follow(Engine(target, kv_quantization=kv_quantization), channel)
         return
     channel = Channel(group, Watchdog(60))
     results = {"mlx_lm": reference, "cases": {}, "refused": {}}
@@ -97,6 +106,10 @@ def main(arch, sharding, out, workdir):
         results["cases"][name] = dict(first=first, second=second, follow_up=follow_up, sampled=sampled,
                                       proposed=stats.proposed)
     channel.send(STOP)
+    if quantized is not None:
+        engine = SplitEngine(target, None, channel, kv_quantization=kv_quantization)
+        results["kv_bits"] = dict(mlx_lm=quantized, mlx_spec=run(engine, PROMPT, TOKENS)[0])
+        channel.send(STOP)
     Path(out).write_text(json.dumps(results))
 
 

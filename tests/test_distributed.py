@@ -89,6 +89,8 @@ def test_split_target_decodes_exactly(arch, sharding, tmp_path):
         assert case["second"] == plain_greedy(model, case["follow_up"], driver.TOKENS), name
         assert case["sampled"] == sampled, name
         assert name == "none" or case["proposed"] > 0, name
+    if sharding == "tensor":   # --kv-bits (--draft none): mlx-lm's tokens over the split target
+        assert result["kv_bits"]["mlx_spec"] == result["kv_bits"]["mlx_lm"]
     if sharding == "pipeline":
         assert set(result["refused"]) == {"eagle", "dflash"}
         assert "rank 0 does not hold" in result["refused"]["eagle"]
@@ -190,3 +192,12 @@ def test_refusals_before_the_first_token(tmp_path):
         SplitEngine(target, None, channel, sessions=True)
     with pytest.raises(MlxSpecError, match="runs the target's own layers"):
         SplitEngine(target, LayerSkipDrafter(target, 1), channel)
+
+    from click.testing import CliRunner
+
+    from mlx_spec.cli import main
+
+    result = CliRunner().invoke(main, ["serve", "--sharding", "tensor"])
+    assert result.exit_code == 2 and "serve does not run over a split target" in result.output
+    result = CliRunner().invoke(main, ["generate", "--rank-timeout", "5", "hi"])
+    assert result.exit_code == 1 and "is for a split target" in result.output

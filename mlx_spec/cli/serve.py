@@ -35,6 +35,9 @@ def serve(host, port, max_tokens, api_key, prompt_cache_size, prompt_cache_bytes
     them; a chat's next turn computes only its new tokens."""
     from ..server.app import Server
 
+    if options["sharding"]:
+        raise click.UsageError("serve does not run over a split target yet (--sharding): the server keeps a "
+                               "cache per conversation, which the other ranks do not mirror")
     model = options["path_or_hf_repo"]
     name = model_label(model)
     try:
