@@ -149,6 +149,17 @@ def first_and_last(losses, k=3):
     return float(np.mean(losses[:k])), float(np.mean(losses[-k:]))
 
 
+def test_dev_prompts_are_distinct_in_merged_data(target, tmp_path):
+    """Data merged from a greedy and a sampled run holds each held-out prompt twice: the dev
+    evaluation takes each once."""
+    from mlx_spec.train.loop import DevEvaluation
+
+    rows = [{"id": f"p{i}", "prompt_tokens": [1, i + 2], "response_tokens": [3]} for i in range(3)]
+    (tmp_path / "heldout.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows + rows))
+    evaluation = DevEvaluation(target, tmp_path, lambda model: None, prompts=3)
+    assert evaluation.prompts == [[1, 2], [1, 3], [1, 4]]
+
+
 def test_eagle_training_lowers_the_loss_and_drafts_losslessly(target, data, tmp_path):
     options = EagleOptions(steps=30, batch_size=4, lr=3e-3, warmup=0, ttt_steps=3, draft_vocab_size=24,
                            save_every=0, save_dtype="float16", eval_every=20, eval_prompts=2)

@@ -311,13 +311,14 @@ class LoopOptions:
 
 class DevEvaluation:
     """The drafter's tau (tokens per verification step) at a fixed 4 drafts, every draft
-    verified, greedy, on the first `prompts` prompts of the data's held-out split (by id): what
+    verified, greedy, on the first `prompts` distinct prompts of the data's held-out split (by id): what
     the learning curves plot. Each prompt generates `max_tokens` tokens through the engine with
     a drafter built from the model as it is (make_drafter(model))."""
 
     def __init__(self, target, data_dir, make_drafter: Callable, prompts: int = 8, max_tokens: int = 32,
                  draft_tokens: int = 4):
-        rows = sorted(read_split(data_dir, "heldout"), key=lambda r: r["id"])[:prompts]
+        # One row per prompt: data merged from several runs (greedy and sampled) repeats them.
+        rows = sorted({r["id"]: r for r in read_split(data_dir, "heldout")}.values(), key=lambda r: r["id"])[:prompts]
         if not rows:
             raise MlxSpecError(f"--eval-every needs held-out prompts: {data_dir}/heldout.jsonl is empty or missing")
         self.target, self.make_drafter = target, make_drafter
