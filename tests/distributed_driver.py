@@ -40,6 +40,18 @@ def model_of(arch, seed=0, **overrides):
     return tiny_model(config, seed=seed, scale=6.0), config
 
 
+def split_target_of(arch, workdir):
+    """(model, config, its MTP module's directory or None): qwen3_next as published with an MTP
+    module (test_mtp.write_published), which drafts from the last layer's output."""
+    if arch != "qwen3_next":
+        return (*model_of(arch), None)
+    from test_mtp import write_published
+
+    Path(workdir).mkdir(parents=True, exist_ok=True)
+    path, target, _, _ = write_published(Path(workdir), arch)
+    return target.model, target.config, path
+
+
 KV_BITS = dict(kv_bits=4, kv_group_size=32, quantized_kv_start=0)
 
 
@@ -53,10 +65,14 @@ def mlx_lm_greedy(model, prompt, n, **cache_flags):
     return tokens
 
 
-def drafters(target, workdir, arch):
+def drafters(target, workdir, mtp_path):
     """name -> a function making the drafter (each case gets a fresh one)."""
+    from test_medusa import random_heads, write
+
     from mlx_spec.drafters.draft_model import DraftModelDrafter
     from mlx_spec.drafters.lookup import LookupDrafter
+    from mlx_spec.drafters.medusa import MedusaDrafter
+    from mlx_spec.models.medusa import load_medusa
 
     draft_model, draft_config = model_of("qwen3", seed=3, num_layers=1)
     draft = Target(draft_model, None, draft_config)
@@ -71,12 +87,19 @@ def drafters(target, workdir, arch):
     eagle, dflash = random_feature_models(target, Path(workdir))
     cases["eagle"] = lambda: EagleDrafter(eagle, target.vocab_size)
     cases["dflash"] = lambda: DFlashDrafter(target, dflash)
+    medusa = load_medusa(write(Path(workdir) / "medusa", random_heads(target.hidden_size, target.vocab_size)), target)
+    cases["medusa"] = lambda: MedusaDrafter(target, medusa)
+    if mtp_path is not None:
+        from mlx_spec.models.mtp import load_mtp
+
+        mtp = load_mtp(mtp_path, target)
+        cases["mtp"] = lambda: EagleDrafter(mtp, target.vocab_size)
     return cases
 
 
 def main(arch, sharding, out, workdir):
     group = init_group(sharding)
-    model, config = model_of(arch)
+    model, config, mtp_path = split_target_of(arch, Path(workdir) / f"rank{group.rank()}")
     shard_model(model, config, sharding, group)
     mx.eval(model.parameters())
     target = Target(model, None, config)
@@ -92,7 +115,7 @@ def main(arch, sharding, out, workdir):
         return
     channel = Channel(group, Watchdog(60))
     results = {"mlx_lm": reference, "cases": {}, "refused": {}}
-    for name, make in drafters(target, workdir, arch).items():
+    for name, make in drafters(target, workdir, mtp_path).items():
         try:
             engine = SplitEngine(target, make(), channel, num_draft_tokens=4, adaptive=False)
         except MlxSpecError as e:

@@ -75,14 +75,14 @@ def test_split_target_decodes_exactly(arch, sharding, tmp_path):
     assert rc == 0, err[-2000:]
     result = json.loads(out.read_text())
 
-    model, config = driver.model_of(arch)
+    model, config, _ = driver.split_target_of(arch, tmp_path / "alone")
     alone = Target(model, None, config)
     expected = plain_greedy(model, driver.PROMPT, driver.TOKENS)
     assert result["mlx_lm"] == expected
     sampled = run(Engine(alone, seed=driver.SEED), driver.PROMPT, driver.TOKENS,
                   sampling=SamplingParams(temp=1.0), seed=driver.SEED)[0]
-    split_sources = {"tensor": {"none", "lookup", "draft_model", "eagle", "dflash"},
-                     "pipeline": {"none", "lookup", "draft_model"}}[sharding]
+    split_sources = {"tensor": {"none", "lookup", "draft_model", "eagle", "dflash", "medusa"},
+                     "pipeline": {"none", "lookup", "draft_model", "medusa", "mtp"}}[sharding]
     assert set(result["cases"]) == split_sources
     for name, case in result["cases"].items():
         assert case["first"] == expected, name

@@ -113,10 +113,11 @@ def _layer_index(args, layout: Layout) -> int:
 def build_layer(target, layout: Layout) -> nn.Module:
     """A decoder layer of the target's own class, built as the module's (mlx-lm's code)."""
     args = _target_args(target)
-    kinds = {type(layer) for layer in target.layers}
+    held = [layer for layer in target.layers if layer is not None]   # a pipeline stage holds some
+    kinds = {type(layer) for layer in held}
     cls = next(iter(kinds)) if len(kinds) == 1 else None
     if layout.name == "qwen3_next":  # a full-attention layer of the hybrid
-        cls = next((type(l) for l in target.layers if not getattr(l, "is_linear", False)), cls)
+        cls = next((type(l) for l in held if not getattr(l, "is_linear", False)), cls)
     if cls is None:
         raise MlxSpecError(f"cannot tell which decoder layer an MTP module of this {target.model_type} "
                            "model uses")
