@@ -12,7 +12,7 @@ tensor parallelism; mlx-lm has pipeline stages for qwen3_next, qwen3_5, deepseek
 Plain: every rank runs mlx_lm.stream_generate over its shard (as mlx-lm's sharded generation
 does); at temperature > 0 it draws by mlx-spec's seeded rule (mlx_spec.bench.seeded_sampler), so
 that both write the same text. mlx-spec: rank 0 runs distributed.SplitEngine (adaptive), the
-others distributed.follow. Rank 0 prints the table and writes --out."""
+others distributed.Follower. Rank 0 prints the table and writes --out."""
 
 import mlx_spec  # noqa: F401  (first: it loads OpenBLAS before mlx.core does any work)
 
@@ -26,9 +26,8 @@ import mlx.core as mx
 
 from mlx_spec.api import model_path
 from mlx_spec.bench import baseline_steps, load_prompts, method_steps
-from mlx_spec.distributed import STOP, Channel, SplitEngine, Watchdog, follow, init_group, shard_model
+from mlx_spec.distributed import STOP, Channel, Follower, SplitEngine, Watchdog, init_group, shard_model
 from mlx_spec.drafters import draft_tokens, make_drafter, source_options
-from mlx_spec.engine import Engine
 from mlx_spec.models.target import load_target
 from mlx_spec.sampling import Sampler, SamplingParams
 
@@ -80,8 +79,8 @@ def main():
     rank0 = group.rank() == 0
     target = load_target(model_path(args.model), "auto",
                          shard=lambda model, config: shard_model(model, config, args.sharding, group))
-    follower = None if rank0 else Engine(target)
-    channel = Channel(group, Watchdog(300) if rank0 else None)
+    channel = Channel.connect(group, target, Watchdog(300) if rank0 else None)
+    follower = None if rank0 else Follower(target, channel)
     comm = {n: collective_seconds(group, target.hidden_size, n) for n in (1, 8)}
     items = load_prompts(args.prompts)[:args.limit or None]
     methods = args.methods.split(",")
@@ -98,7 +97,7 @@ def main():
                            plain_tokens=len(tokens), plain_seconds=seconds)
                 for method in methods:
                     if not rank0:
-                        follow(follower, channel)
+                        follower.follow()
                         continue
                     if method not in engines:
                         drafter = make_drafter(method, target, source_options(method))

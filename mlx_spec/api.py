@@ -95,20 +95,19 @@ def _load_split(path, dtype, draft, options, settings, sharding, rank_timeout):
     """load's (engine, tokenizer) on rank 0 of a split target; the other ranks follow it, then exit."""
     import atexit
 
-    from .distributed import RANK_TIMEOUT, STOP, Channel, SplitEngine, Watchdog, follow, init_group, shard_model
+    from .distributed import RANK_TIMEOUT, STOP, Channel, Follower, SplitEngine, Watchdog, init_group, shard_model
     from .drafters import make_drafter
     from .models.target import load_target
 
     group = init_group(sharding)
     target = load_target(path, dtype, shard=lambda model, config: shard_model(model, config, sharding, group))
     if group.rank() != 0:
-        follower = Engine(target, None, **dict(settings, sessions=False))
         try:
-            follow(follower, Channel(group))
+            Follower(target, Channel.connect(group, target), **settings).follow()
         except (RuntimeError, MlxSpecError):
             sys.exit(1)   # rank 0 is gone (it reports why) or sent what this rank cannot run
         sys.exit(0)
-    channel = Channel(group, Watchdog(rank_timeout or RANK_TIMEOUT))
+    channel = Channel.connect(group, target, Watchdog(rank_timeout or RANK_TIMEOUT))
     try:
         engine = SplitEngine(target, make_drafter(draft, target, options), channel, **settings)
     except MlxSpecError:

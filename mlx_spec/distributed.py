@@ -14,10 +14,11 @@ import os
 import sys
 import threading
 import time
-from typing import List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
+from .drafters.base import NoDrafter
 from .engine import Engine, PendingVerification
 from .errors import MlxSpecError
 
@@ -25,7 +26,7 @@ SHARDINGS = ("tensor", "pipeline")
 RANK_TIMEOUT = 120.0   # seconds a pass may wait for another rank before the run ends
 
 # What rank 0 asks of the others.
-STOP, FILL, VERIFY, ROLLBACK, RESET, QUANTIZE = range(6)
+STOP, FILL, VERIFY, ROLLBACK, RESET, QUANTIZE, TAPS = range(7)
 
 
 def init_group(sharding: str):
@@ -103,17 +104,31 @@ class Watchdog:
 
 class Channel:
     """Rank 0's orders to the other ranks: [op, n, ints...] in one all_sum (a second one for
-    ints past the first FRAME), on the CPU stream as mlx-lm's collectives outside the model."""
+    ints past the first FRAME), on the CPU stream as mlx-lm's collectives outside the model;
+    and the outputs of layers other ranks hold, sent to rank 0 after a pass. `stages`: the
+    layers each rank holds (Channel.connect)."""
 
     FRAME = 64
 
-    def __init__(self, group, watchdog: Optional[Watchdog] = None):
-        self.group, self.watchdog = group, watchdog
+    def __init__(self, group, stages: Sequence[range], watchdog: Optional[Watchdog] = None):
+        self.group, self.stages, self.watchdog = group, list(stages), watchdog
         self.broken = False   # a collective failed: a rank is gone
+
+    @classmethod
+    def connect(cls, group, target, watchdog: Optional[Watchdog] = None) -> "Channel":
+        """Every rank calls this once the target is split: they learn each other's layers."""
+        held = held_layers(target)
+        stages = mx.distributed.all_gather(mx.array([[held.start, held.stop]], mx.int32), group=group,
+                                           stream=mx.cpu)
+        return cls(group, [range(a, b) for a, b in stages.tolist()], watchdog)
 
     @property
     def leader(self) -> bool:
         return self.group.rank() == 0
+
+    def holder(self, layer: int) -> int:
+        """The rank computing `layer`'s output (-1, the embedding's: the rank holding layer 0)."""
+        return next(rank for rank, held in enumerate(self.stages) if max(layer, 0) in held)
 
     def _all_sum(self, values: List[int]) -> List[int]:
         out = mx.distributed.all_sum(mx.array(values, mx.int32), group=self.group, stream=mx.cpu)
@@ -141,6 +156,23 @@ class Channel:
     def receive(self) -> Tuple[int, List[int]]:
         """The other ranks: wait (without limit: rank 0 may be waiting for its user) for an order."""
         return self._exchange(STOP, ())
+
+    def send_taps(self, taps: Dict[int, mx.array], layers: Sequence[int], dtype) -> None:
+        """Another rank: the outputs of `layers` in the pass just run, to rank 0, in one array."""
+        if layers:
+            joined = mx.concatenate([taps[layer].astype(dtype) for layer in layers], axis=-1)
+            mx.eval(mx.distributed.send(joined, 0, group=self.group, stream=mx.cpu))
+
+    def receive_taps(self, remote: Dict[int, List[int]], positions: int, hidden: int, dtype) -> Dict[int, mx.array]:
+        """Rank 0: what send_taps sent, {layer: [1, positions, hidden]}."""
+        taps = {}
+        with self.watching("layer outputs from the other ranks"):
+            for rank, layers in sorted(remote.items()):
+                joined = mx.distributed.recv((1, positions, hidden * len(layers)), dtype, rank, group=self.group,
+                                             stream=mx.cpu)
+                mx.eval(joined)
+                taps.update({layer: joined[..., i * hidden:(i + 1) * hidden] for i, layer in enumerate(layers)})
+        return taps
 
     def watching(self, what: str):
         return _Watching(self, what)
@@ -170,22 +202,6 @@ class _Watching:
         return False
 
 
-def check_splittable(engine) -> None:
-    """What rank 0 cannot run over a split target, refused before the first token."""
-    drafter = engine.drafter
-    if drafter.verify_forward is not None:
-        raise MlxSpecError("this draft source runs the target's own layers on one process: "
-                           "with --sharding use lookup, suffix, a draft model, EAGLE-3, MTP, Medusa or DFlash")
-    held = held_layers(engine.target)
-    # taps[-1], the embedding's output, is what the stage holding layer 0 feeds it.
-    missing = [layer for layer in drafter.taps if layer not in held and not (layer == -1 and 0 in held)]
-    if missing:
-        names = ", ".join("the embedding" if layer == -1 else f"layer {layer}" for layer in missing)
-        raise MlxSpecError(f"the drafter reads {names} of the target, which rank 0 does not hold under pipeline "
-                           f"sharding (it holds layers {held.start}-{held.stop - 1}): use --sharding tensor, "
-                           "or a source that reads the last layers (mtp) or none (lookup, suffix, a draft model)")
-
-
 class SplitEngine(Engine):
     """Rank 0's engine over a split target: every operation on the target's cache is ordered on
     the other ranks first (the same code then runs there, distributed.follow). One generation
@@ -203,8 +219,17 @@ class SplitEngine(Engine):
                                    "use its chains (--tree-budget 0) or another source")
             drafter = chains
         super().__init__(target, drafter, **settings)
-        check_splittable(self)
+        if self.drafter.verify_forward is not None:
+            raise MlxSpecError("this draft source runs the target's own layers on one process: with --sharding "
+                               "use lookup, suffix, a draft model, EAGLE-3, DFlash, MTP or Medusa")
+        # The drafter's taps that other ranks compute (pipeline stages): sent after each pass.
+        self.remote: Dict[int, List[int]] = {}
+        for layer in sorted(self.drafter.taps):
+            rank = channel.holder(layer)
+            if rank != 0:
+                self.remote.setdefault(rank, []).append(layer)
         self.channel.send(RESET)   # the other ranks start this engine's cache as it starts here
+        self.channel.send(TAPS, [v for rank, layers in self.remote.items() for layer in layers for v in (rank, layer)])
 
     def spawn(self):
         raise MlxSpecError("a split target (--sharding) runs one generation at a time")
@@ -237,6 +262,19 @@ class SplitEngine(Engine):
         with self.channel.watching("a verification pass"):
             return super()._verify(context, draft)
 
+    def _with_remote(self, taps: Dict[int, mx.array], positions: int) -> Dict[int, mx.array]:
+        if not self.remote:
+            return taps
+        return {**taps, **self.channel.receive_taps(self.remote, positions, self.target.hidden_size,
+                                                    tap_dtype(self.target))}
+
+    def filled(self, chunk, taps, pieces) -> None:
+        super().filled(chunk, self._with_remote(taps, len(chunk)), pieces)
+
+    def settle_chain(self, context, drafts, n_accepted, next_token, taps):
+        return super().settle_chain(context, drafts, n_accepted, next_token,
+                                    self._with_remote(taps, 1 + len(drafts)))
+
     def _pass(self, pending):
         reply = super()._pass(pending)
         if self.kv_quantization and isinstance(pending, PendingVerification):
@@ -248,23 +286,52 @@ class SplitEngine(Engine):
         self.channel.send(STOP)
 
 
-def follow(engine, channel: Channel) -> None:
-    """The other ranks: run rank 0's orders on this rank's shard of the target until it says STOP."""
-    while True:
-        op, ints = channel.receive()
-        if op == STOP:
-            return
-        if op == FILL:
-            engine._fill(ints)
-        elif op == VERIFY:
-            logits, _ = engine.chain_pass(mx.array(ints, mx.int32), len(engine.cached_tokens))
-            mx.eval(logits, [c.state for c in engine.cache])
-            engine.cached_tokens = engine.cached_tokens + ints
-        elif op == ROLLBACK:
-            engine._roll_back(ints[0])
-        elif op == QUANTIZE:
-            engine._quantize_if_due()
-        elif op == RESET:
-            engine.reset()
-        else:
-            raise MlxSpecError(f"unknown order {op} from rank 0")
+def tap_dtype(target):
+    """What layer outputs cross between ranks as: the model's (its final norm's, which every stage keeps)."""
+    return target.final_norm.weight.dtype
+
+
+class _Relay(NoDrafter):
+    """A follower's stand-in drafter: the layers whose outputs rank 0's drafter reads from it."""
+
+    def __init__(self):
+        self.taps = []
+
+
+class Follower(Engine):
+    """Another rank's engine: runs rank 0's orders on its shard of the target (the same Engine
+    code as rank 0's, so the same passes and collectives), and sends rank 0 the outputs of its
+    layers that rank 0's drafter reads."""
+
+    def __init__(self, target, channel: Channel, **settings):
+        super().__init__(target, _Relay(), **dict(settings, sessions=False))
+        self.channel = channel
+
+    def filled(self, chunk, taps, pieces) -> None:
+        super().filled(chunk, taps, pieces)
+        self.channel.send_taps(taps, self.drafter.taps, tap_dtype(self.target))
+
+    def follow(self) -> None:
+        """Until rank 0 says STOP."""
+        while True:
+            op, ints = self.channel.receive()
+            if op == STOP:
+                return
+            if op == FILL:
+                self._fill(ints)
+            elif op == VERIFY:
+                logits, taps = self.chain_pass(mx.array(ints, mx.int32), len(self.cached_tokens))
+                mx.eval(logits, [c.state for c in self.cache], taps)
+                self.cached_tokens = self.cached_tokens + ints
+                self.channel.send_taps(taps, self.drafter.taps, tap_dtype(self.target))
+            elif op == ROLLBACK:
+                self._roll_back(ints[0])
+            elif op == QUANTIZE:
+                self._quantize_if_due()
+            elif op == RESET:
+                self.reset()
+            elif op == TAPS:
+                rank = self.channel.group.rank()
+                self.drafter.taps = [layer for r, layer in zip(ints[::2], ints[1::2]) if r == rank]
+            else:
+                raise MlxSpecError(f"unknown order {op} from rank 0")

@@ -15,8 +15,7 @@ from tiny import run, tiny_config, tiny_model
 import mlx.core as mx
 
 from mlx_spec.cache import KVQuantization
-from mlx_spec.distributed import STOP, Channel, SplitEngine, Watchdog, follow, init_group, shard_model
-from mlx_spec.engine import Engine
+from mlx_spec.distributed import STOP, Channel, Follower, SplitEngine, Watchdog, init_group, shard_model
 from mlx_spec.errors import MlxSpecError
 from mlx_spec.models.target import Target
 from mlx_spec.sampling import SamplingParams
@@ -97,6 +96,21 @@ def drafters(target, workdir, mtp_path):
     return cases
 
 
+def recording(drafter):
+    """The drafter, its proposals recorded in drafter.proposed (token lists)."""
+    if drafter is None:
+        return None
+    drafter.proposed, propose = [], drafter.propose
+
+    def record(k):
+        draft = propose(k)
+        drafter.proposed.append(draft.tokens.tolist() if hasattr(draft.tokens, "tolist") else list(draft.tokens))
+        return draft
+
+    drafter.propose = record
+    return drafter
+
+
 def main(arch, sharding, out, workdir):
     group = init_group(sharding)
     model, config, mtp_path = split_target_of(arch, Path(workdir) / f"rank{group.rank()}")
@@ -108,26 +122,27 @@ def main(arch, sharding, out, workdir):
     quantized = mlx_lm_greedy(model, PROMPT, TOKENS, **KV_BITS) if arch == "qwen3" else None
     kv_quantization = KVQuantization(*KV_BITS.values())
     if group.rank() != 0:
-        channel = Channel(group)
-        follow(Engine(target), channel)
+        channel = Channel.connect(group, target)
+        Follower(target, channel).follow()
         if quantized is not None:   # the same ranks, a quantized cache (--kv-bits, --draft none)
-            follow(Engine(target, kv_quantization=kv_quantization), channel)
+            Follower(target, channel, kv_quantization=kv_quantization).follow()
         return
-    channel = Channel(group, Watchdog(60))
+    channel = Channel.connect(group, target, Watchdog(60))
     results = {"mlx_lm": reference, "cases": {}, "refused": {}}
     for name, make in drafters(target, workdir, mtp_path).items():
         try:
-            engine = SplitEngine(target, make(), channel, num_draft_tokens=4, adaptive=False)
+            engine = SplitEngine(target, recording(make()), channel, num_draft_tokens=4, adaptive=False)
         except MlxSpecError as e:
             results["refused"][name] = str(e)
             continue
         first, stats = run(engine, PROMPT, TOKENS)
+        drafts = list(getattr(engine.drafter, "proposed", []))
         # A second turn: the cache keeps the first, drafts roll back on every rank.
         follow_up = PROMPT + first + [3, 4]
         second, _ = run(engine, follow_up, TOKENS)
         sampled = run(engine, PROMPT, TOKENS, sampling=SamplingParams(temp=1.0), seed=SEED)[0]
         results["cases"][name] = dict(first=first, second=second, follow_up=follow_up, sampled=sampled,
-                                      proposed=stats.proposed)
+                                      proposed=stats.proposed, drafts=drafts)
     channel.send(STOP)
     if quantized is not None:
         engine = SplitEngine(target, None, channel, kv_quantization=kv_quantization)
