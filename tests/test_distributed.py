@@ -134,6 +134,38 @@ def test_cli_generate_over_two_ranks(chat_model, tmp_path):
     assert ranks.follower_output == ("", "")   # only rank 0 prints
 
 
+def test_serve_over_two_ranks(chat_model, tmp_path):
+    """`mlx-spec serve --sharding tensor`: rank 0 serves (one request at a time) what one process
+    generates; SIGTERM stops it, and rank 1 ends with it."""
+    import urllib.request
+
+    from click.testing import CliRunner
+
+    from mlx_spec.cli import main as mlx_spec_cli
+
+    alone = CliRunner().invoke(mlx_spec_cli, ["generate", "--model", str(chat_model), "--json", "-m", "30",
+                                              "--draft", "none", "--no-chat-template", "Count to ten"])
+    assert alone.exit_code == 0, alone.output
+    port = free_ports(1)[0]
+    args = cli("serve", "--model", str(chat_model), "--sharding", "tensor", "--port", str(port))
+    with Ranks(args, tmp_path) as ranks:
+        deadline, err = time.monotonic() + 120, ""
+        while "on http://" not in err and time.monotonic() < deadline:
+            assert ranks.procs[0].poll() is None, ranks.procs[0].stderr.read()
+            err += ranks.procs[0].stderr.readline()
+        assert "requests run one at a time" in err
+        body = json.dumps({"prompt": "Count to ten", "max_tokens": 30, "temperature": 0}).encode()
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body,
+                                         {"Content-Type": "application/json"})
+        for _ in range(2):   # the second reuses the cache on every rank
+            reply = json.loads(urllib.request.urlopen(request, timeout=120).read())
+            assert reply["choices"][0]["text"] == json.loads(alone.output)["text"]
+        ranks.procs[0].send_signal(signal.SIGTERM)
+        ranks.procs[0].wait(timeout=30)
+        ranks.procs[1].wait(timeout=30)
+        assert [p.returncode for p in ranks.procs] == [0, 0]
+
+
 def started_streaming(ranks, seconds=120):
     """Wait until rank 0 has printed some of its reply."""
     import select
@@ -209,6 +241,6 @@ def test_refusals_before_the_first_token(tmp_path):
     from mlx_spec.cli import main
 
     result = CliRunner().invoke(main, ["serve", "--sharding", "tensor"])
-    assert result.exit_code == 2 and "serve does not run over a split target" in result.output
+    assert result.exit_code == 1 and "this one is alone" in result.output
     result = CliRunner().invoke(main, ["generate", "--rank-timeout", "5", "hi"])
     assert result.exit_code == 1 and "is for a split target" in result.output

@@ -35,13 +35,20 @@ def serve(host, port, max_tokens, api_key, prompt_cache_size, prompt_cache_bytes
     them; a chat's next turn computes only its new tokens."""
     from ..server.app import Server
 
-    if options["sharding"]:
-        raise click.UsageError("serve does not run over a split target yet (--sharding): the server keeps a "
-                               "cache per conversation, which the other ranks do not mirror")
+    split = bool(options["sharding"])
+    if split:
+        from ..distributed import init_group
+
+        if init_group(options["sharding"]).rank() != 0:
+            load_engine(options)   # serves rank 0's passes; the process ends with rank 0's
+        # The other ranks mirror one cache: the prompt cache is the live conversation alone.
+        echo_err("mlx-spec serve: split target: requests run one at a time, and the prompt cache is the "
+                 "current conversation (--prompt-cache-size 0)")
+        prompt_cache_size, max_batch = 0, 1
     model = options["path_or_hf_repo"]
     name = model_label(model)
     try:
-        server = Server((host, port), lambda: load_engine(options, sessions=True), name, options["draft"],
+        server = Server((host, port), lambda: load_engine(options, sessions=not split), name, options["draft"],
                         aliases=[model] if model else [], max_tokens=max_tokens,
                         api_key=api_key, max_body_bytes=max_body_bytes, max_sessions=prompt_cache_size,
                         max_cache_bytes=prompt_cache_bytes, max_batch=max_batch, log=echo_err)
