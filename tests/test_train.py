@@ -230,6 +230,32 @@ def test_mtp_and_medusa_training_lower_the_loss_and_draft_losslessly(target, dat
     assert stats.accepted > 0
 
 
+def test_mtp_continued_with_a_reduced_vocabulary_trains_over_it(target, data, tmp_path):
+    """--init of a module with a draft vocabulary: labels are its columns (those outside it are
+    not trained), and the result keeps the vocabulary."""
+    from mlx_spec.models import vocabulary
+    from mlx_spec.models.mtp import load_mtp
+    from mlx_spec.train.mtp import MTPOptions, draft_index, train_mtp
+
+    options = dict(batch_size=4, lr=3e-3, warmup=0, ttt_steps=2, save_every=0)
+    train_mtp(target, data, tmp_path / "a", MTPOptions(steps=20, **options), feature_dir=None)
+    answers = [json.loads(line)["response_tokens"] for line in (data / "train.jsonl").read_text().splitlines()]
+    ids = vocabulary.frequent_ids(answers, VOCAB, 12)
+    vocabulary.write(tmp_path / "a", ids)
+    model = load_mtp(tmp_path / "a", target)
+    index = draft_index(model, VOCAB)
+    assert sorted(index[index >= 0]) == list(range(12)) and all(index[ids] == np.arange(12))
+    result = train_mtp(target, data, tmp_path / "b", MTPOptions(steps=20, init=str(tmp_path / "a"), **options),
+                       feature_dir=None)
+    first, last = first_and_last(result.losses)
+    assert np.isfinite(result.losses).all() and last < first < np.log(12) + 1, result.losses
+    assert list(vocabulary.read(tmp_path / "b", VOCAB)) == list(ids)
+    prompt = json.loads((data / "train.jsonl").read_text().splitlines()[0])["prompt_tokens"]
+    drafter = EagleDrafter(load_mtp(tmp_path / "b", target), VOCAB)
+    tokens, stats = run(Engine(target, drafter, num_draft_tokens=3, adaptive=False), prompt, 24)
+    assert tokens == plain_greedy(target.model, prompt, 24) and stats.accepted > 0
+
+
 def test_dflash_training_lowers_the_loss_and_drafts_losslessly(target, data, tmp_path):
     options = DFlashOptions(steps=60, batch_size=2, lr=3e-3, warmup=0, layers=2, block_size=4,
                             target_layers=[0, 2], blocks_per_sequence=8, save_every=0)

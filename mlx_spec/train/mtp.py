@@ -12,7 +12,8 @@ Training-time test as for EAGLE-3 (train/eagle.py): row t of step 0 pairs token 
 the target's normed last hidden state at t and predicts x_{t+2}; step j feeds the module's own
 output of step j-1 with token x_{t+1+j} and predicts x_{t+2+j}, attending to the step-0
 entries of rows 0..t and its own chain: the cache a chain of MTP drafts sees at inference.
-The loss is the cross-entropy over the target's whole vocabulary, on the response positions
+The loss is the cross-entropy over the module's vocabulary (the target's, or the reduced one of
+a module continued with --init), on the response positions
 only (their rows are gathered before the output layer, the costliest matmul). Layers of the
 Llama family (q/k/v/o projections, input and post-attention norms) only."""
 
@@ -28,6 +29,7 @@ from mlx.utils import tree_flatten
 
 from ..drafters.eagle import EagleDrafter
 from ..errors import MlxSpecError
+from ..models import vocabulary
 from ..models.mtp import LAYOUTS, Model
 from .eagle import chain_attention_step, make_eagle_batch
 from .loop import (DevEvaluation, FeatureStore, LoopOptions, TrainResult, batch_indices, cast_for_saving,
@@ -92,11 +94,23 @@ def mtp_loss(model: Model, embeds, hidden, rows, labels, step_weights):
     return total / sum(step_weights), {"accuracy": accuracy}
 
 
+def draft_index(model: Model, vocab_size: int) -> np.ndarray:
+    """Target id -> the module's output index: itself, or with a reduced draft vocabulary
+    (a drafter continued with --init) its column, -1 where it has none (such labels are not
+    trained: the module cannot draft them)."""
+    ids = model.draft_ids
+    if ids is None:
+        return np.arange(vocab_size)
+    index = np.full(vocab_size, -1)
+    index[np.array(ids)] = np.arange(len(ids))
+    return index
+
+
 def make_mtp_batch(target, model: Model, store: FeatureStore, sequences, steps: int):
-    """(embeds, normed hidden, rows, labels): EAGLE-3's batch (train/eagle.py) over the whole
-    vocabulary, with each step's labelled rows gathered (flat indices into b * n)."""
+    """(embeds, normed hidden, rows, labels): EAGLE-3's batch (train/eagle.py) over the
+    module's vocabulary, with each step's labelled rows gathered (flat indices into b * n)."""
     embeds, features, labels, weights = make_eagle_batch(target, model, store, sequences, steps,
-                                                          np.arange(target.vocab_size))
+                                                          draft_index(model, target.vocab_size))
     labels, weights = np.array(labels).reshape(steps, -1), np.array(weights).reshape(steps, -1)
     rows = [np.flatnonzero(w) for w in weights]
     if not len(rows[0]):   # a batch without responses: a harmless row (cannot happen with real data)
@@ -163,4 +177,6 @@ def train_mtp(target, data_dir, out_dir, options: Optional[MTPOptions] = None, r
     result = run_loop("mtp", model, mtp_loss, make_batch, o, out_dir, architecture, {"mtp": asdict(o)},
                       resume, progress, evaluate)
     result.path = save_mtp(model, target, out_dir, o.save_dtype)
+    if model.draft_ids is not None:   # the draft vocabulary it was trained over goes with it
+        vocabulary.write(out_dir, np.array(model.draft_ids))
     return result
