@@ -256,6 +256,35 @@ def test_mtp_continued_with_a_reduced_vocabulary_trains_over_it(target, data, tm
     assert tokens == plain_greedy(target.model, prompt, 24) and stats.accepted > 0
 
 
+def test_mtp_soft_labels_are_the_targets_distribution_and_train(target, data, tmp_path):
+    """--labels soft: the label of step j at row t is the target's distribution at position
+    t + 2 + j (its logits at t + 1 + j); training on them lowers the loss and drafts."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from mlx_spec.models.mtp import load_mtp
+    from mlx_spec.train.loop import FeatureStore, load_sequences
+    from mlx_spec.train.mtp import MTPOptions, make_mtp_batch, new_mtp_model, train_mtp
+
+    model = new_mtp_model(target)
+    sequences = load_sequences(data, 1024)[:2]
+    _, _, rows, labels = make_mtp_batch(target, model, FeatureStore(target, model.taps), sequences, 2, soft=True)
+    n = max(len(s.tokens) for s in sequences) - 1
+    for j in range(2):
+        for k, flat in enumerate(rows[j].tolist()):
+            i, t = divmod(flat, n)
+            logits, _ = target.forward(mx.array(sequences[i].tokens)[None], make_prompt_cache(target.model))
+            assert mx.allclose(labels[j][k], mx.softmax(logits[0, t + 1 + j]), atol=1e-5), (j, k)
+    result = train_mtp(target, data, tmp_path / "soft", MTPOptions(steps=40, batch_size=4, lr=3e-3, warmup=0,
+                                                                   ttt_steps=2, save_every=0, labels="soft"),
+                       feature_dir=None)
+    first, last = first_and_last(result.losses)
+    assert last < first - 0.5, result.losses   # a cross-entropy with soft labels ends at their entropy
+    prompt = json.loads((data / "train.jsonl").read_text().splitlines()[0])["prompt_tokens"]
+    drafter = EagleDrafter(load_mtp(tmp_path / "soft", target), VOCAB)
+    tokens, stats = run(Engine(target, drafter, num_draft_tokens=3, adaptive=False), prompt, 24)
+    assert tokens == plain_greedy(target.model, prompt, 24) and stats.accepted > 0
+
+
 def test_dflash_training_lowers_the_loss_and_drafts_losslessly(target, data, tmp_path):
     options = DFlashOptions(steps=60, batch_size=2, lr=3e-3, warmup=0, layers=2, block_size=4,
                             target_layers=[0, 2], blocks_per_sequence=8, save_every=0)

@@ -263,6 +263,9 @@ def dflash(**given):
 @training_options
 @click.option("--ttt-steps", type=click.IntRange(1), default=None,
               help=f"Training-time test: depths the module runs on its own outputs {_default('ttt_steps', ['mtp'])}.")
+@click.option("--labels", type=click.Choice(["hard", "soft"]), default=None,
+              help="hard: the data's next tokens; soft: the target's distribution at each position "
+                   f"(its cached features; any text then teaches what the target would write) {_default('labels', ['mtp'])}.")
 @reports_errors
 def mtp(**given):
     """Train an MTP module (DeepSeek-V3 layout: one decoder layer of the target's class, sharing

@@ -13,7 +13,9 @@ the target's normed last hidden state at t and predicts x_{t+2}; step j feeds th
 output of step j-1 with token x_{t+1+j} and predicts x_{t+2+j}, attending to the step-0
 entries of rows 0..t and its own chain: the cache a chain of MTP drafts sees at inference.
 The loss is the cross-entropy over the module's vocabulary (the target's, or the reduced one of
-a module continued with --init), on the response positions
+a module continued with --init) against the data's tokens (hard labels) or the target's own
+distribution there (soft labels: EAGLE's and HASS's, from the cached last-layer features, so
+text the target did not write trains it towards what it would write), on the response positions
 only (their rows are gathered before the output layer, the costliest matmul). Layers of the
 Llama family (q/k/v/o projections, input and post-attention norms) only."""
 
@@ -40,6 +42,7 @@ from .loop import (DevEvaluation, FeatureStore, LoopOptions, TrainResult, batch_
 class MTPOptions(LoopOptions):
     ttt_steps: int = 3              # depths trained: the module fed its own output
     ttt_decay: float = 0.8          # weight of step j's loss: ttt_decay ** j
+    labels: str = "hard"            # hard: the data's next tokens; soft: the target's distribution there
 
 
 def new_mtp_model(target, seed: int = 0) -> Model:
@@ -81,17 +84,32 @@ def ttt_forward(model: Model, embeds: mx.array, hidden: mx.array, steps: int) ->
 
 def mtp_loss(model: Model, embeds, hidden, rows, labels, step_weights):
     """rows[j], labels[j]: the flat indices (into b * n) of step j's trained rows and their
-    labels -> (weighted mean cross-entropy, {"accuracy": step-0 top-1 accuracy})."""
+    labels: token indices (hard), or the target's probabilities over the module's vocabulary
+    (soft, [rows, V]) -> (weighted mean cross-entropy, {"accuracy": step-0 top-1 accuracy, of
+    the data's token or of the target's most likely one})."""
     outputs = ttt_forward(model, embeds, hidden, len(rows))
     total, accuracy = 0.0, None
     for j, out in enumerate(outputs):
         flat = out.reshape(-1, out.shape[-1])[rows[j]]
         logits = model.logits(flat)
-        ce = nn.losses.cross_entropy(logits, labels[j], reduction="mean")
+        if labels[j].ndim == 2:
+            ce = -(labels[j] * nn.log_softmax(logits, axis=-1)).sum(axis=-1).mean()
+        else:
+            ce = nn.losses.cross_entropy(logits, labels[j], reduction="mean")
         total = total + step_weights[j] * ce
         if j == 0:
-            accuracy = (mx.argmax(logits, axis=-1) == labels[0]).mean()
+            best = mx.argmax(labels[0], axis=-1) if labels[0].ndim == 2 else labels[0]
+            accuracy = (mx.argmax(logits, axis=-1) == best).mean()
     return total / sum(step_weights), {"accuracy": accuracy}
+
+
+def target_probabilities(target, model: Model, features: mx.array, rows: mx.array, j: int) -> mx.array:
+    """Soft labels of step j's rows: the target's distribution over the module's vocabulary at
+    the labelled position (renormalized there), from its last-layer output one position before
+    it (feature t + 1 + j of row t's sequence; flat indices into b * n)."""
+    normed = target.final_norm(features.reshape(-1, features.shape[-1])[rows + 1 + j])
+    logits = model.rows(normed) if model.rows is not None else target.lm_head(normed)
+    return mx.stop_gradient(mx.softmax(logits.astype(mx.float32), axis=-1))
 
 
 def draft_index(model: Model, vocab_size: int) -> np.ndarray:
@@ -106,9 +124,10 @@ def draft_index(model: Model, vocab_size: int) -> np.ndarray:
     return index
 
 
-def make_mtp_batch(target, model: Model, store: FeatureStore, sequences, steps: int):
+def make_mtp_batch(target, model: Model, store: FeatureStore, sequences, steps: int, soft: bool = False):
     """(embeds, normed hidden, rows, labels): EAGLE-3's batch (train/eagle.py) over the
-    module's vocabulary, with each step's labelled rows gathered (flat indices into b * n)."""
+    module's vocabulary, with each step's labelled rows gathered (flat indices into b * n);
+    soft: labels are the target's probabilities (target_probabilities)."""
     embeds, features, labels, weights = make_eagle_batch(target, model, store, sequences, steps,
                                                           draft_index(model, target.vocab_size))
     labels, weights = np.array(labels).reshape(steps, -1), np.array(weights).reshape(steps, -1)
@@ -118,8 +137,10 @@ def make_mtp_batch(target, model: Model, store: FeatureStore, sequences, steps: 
         rows, labels = [np.array([0])] * steps, np.full((steps, 1), first[2] if len(first) > 2 else 0)
     else:
         labels = [labels[j][r] for j, r in enumerate(rows)]
-    return (embeds, model.fuse(features).astype(mx.float32), [mx.array(r) for r in rows],
-            [mx.array(l) for l in labels])
+    rows = [mx.array(r) for r in rows]
+    labels = ([target_probabilities(target, model, features, r, j) for j, r in enumerate(rows)] if soft
+              else [mx.array(l) for l in labels])
+    return embeds, model.fuse(features).astype(mx.float32), rows, labels
 
 
 def save_mtp(model: Model, target, path, dtype: str = "float32") -> Path:
@@ -149,6 +170,8 @@ def train_mtp(target, data_dir, out_dir, options: Optional[MTPOptions] = None, r
     o = options or MTPOptions()
     if o.ttt_steps < 1 or o.batch_size < 1 or o.steps < 1:
         raise MlxSpecError("--steps, --batch-size and --ttt-steps must be >= 1")
+    if o.labels not in ("hard", "soft"):
+        raise MlxSpecError(f"--labels is hard or soft, not {o.labels!r}")
     out_dir = Path(out_dir)
     sequences = load_sequences(data_dir, o.max_length)
     evaluate = DevEvaluation(target, data_dir, lambda m: EagleDrafter(m, target.vocab_size), o.eval_prompts) \
@@ -170,7 +193,8 @@ def train_mtp(target, data_dir, out_dir, options: Optional[MTPOptions] = None, r
 
     def make_batch(step):
         batch = [sequences[i] for i in batch_indices(len(sequences), o.batch_size, step, o.seed)]
-        return (*make_mtp_batch(target, model, store, batch, o.ttt_steps), step_weights), sum(len(s.tokens) for s in batch)
+        return ((*make_mtp_batch(target, model, store, batch, o.ttt_steps, soft=o.labels == "soft"), step_weights),
+                sum(len(s.tokens) for s in batch))
 
     architecture = {"hidden_size": target.hidden_size, "target_layers": target.num_layers,
                     "vocab_size": target.vocab_size, "layout": "deepseek"}
