@@ -234,6 +234,10 @@ class SplitEngine(Engine):
     def spawn(self):
         raise MlxSpecError("a split target (--sharding) runs one generation at a time")
 
+    def resume(self, cache):
+        raise MlxSpecError("a prompt cache file holds the whole model's cache, not a rank's shard: "
+                           "--prompt-cache-file does not run with --sharding")
+
     def with_chain_drafts(self):
         return None
 

@@ -237,6 +237,8 @@ def test_refusals_before_the_first_token(tmp_path):
         SplitEngine(target, None, channel, sessions=True)
     with pytest.raises(MlxSpecError, match="runs the target's own layers"):
         SplitEngine(target, LayerSkipDrafter(target, 1), channel)
+    with pytest.raises(MlxSpecError, match="does not run with --sharding"):
+        SplitEngine(target, None, channel).resume([])
 
     from click.testing import CliRunner
 
