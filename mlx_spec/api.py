@@ -104,14 +104,20 @@ def _load_split(path, dtype, draft, options, settings, sharding, rank_timeout):
     if group.rank() != 0:
         try:
             Follower(target, Channel.connect(group, target), **settings).follow()
-        except (RuntimeError, MlxSpecError):
-            sys.exit(1)   # rank 0 is gone (it reports why) or sent what this rank cannot run
+        except RuntimeError:
+            sys.exit(1)   # rank 0 is gone: it says why
+        except MlxSpecError as e:
+            print(f"mlx-spec: rank {group.rank()}: {e}", file=sys.stderr)
+            sys.exit(1)
         sys.exit(0)
     channel = Channel.connect(group, target, Watchdog(rank_timeout or RANK_TIMEOUT))
     try:
         engine = SplitEngine(target, make_drafter(draft, target, options), channel, **settings)
     except MlxSpecError:
-        channel.send(STOP)   # the others end with this rank
+        try:
+            channel.send(STOP)   # the others end with this rank
+        except MlxSpecError:
+            pass   # they did already (they refused the same settings): this rank's reason stands
         raise
     atexit.register(engine.stop)
     return engine, target.tokenizer

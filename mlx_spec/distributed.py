@@ -3,11 +3,12 @@ mlx-lm's own sharding (`model.shard`: tensor parallel; `model.model.pipeline`: p
 
 Rank 0 owns everything but the target's other shards: the tokenizer, the prompt, the drafter,
 the sampler and the output. Each operation that touches the target's cache is sent to the
-other ranks first (an op code and token ids, broadcast by an all_sum to which they add zeros),
-then run by every rank alike: a prefill, a verification pass, a roll-back, a reset. A rank runs
-the same passes over the same tokens, so every collective inside the model meets its partner;
-the verdict is rank 0's alone, and a roll-back carries its result. Nothing but token ids
-crosses between passes.
+other ranks first (an order: an op code and ints, broadcast by an all_sum to which they add
+zeros), then run by every rank alike: a prefill, a verification pass, a roll-back, a reset, a
+--kv-bits quantization. A rank runs the same passes over the same tokens, so every collective
+inside the model meets its partner; the verdict is rank 0's alone, and a roll-back carries its
+result. Between passes only orders cross, and under pipeline stages the outputs of the layers
+rank 0's drafter reads, which their rank sends after each pass.
 """
 
 import os
@@ -20,10 +21,13 @@ import mlx.core as mx
 
 from .drafters.base import NoDrafter
 from .engine import Engine, PendingVerification
-from .errors import MlxSpecError
+from .errors import MlxSpecError, RanksLost
 
 SHARDINGS = ("tensor", "pipeline")
-RANK_TIMEOUT = 120.0   # seconds a pass may wait for another rank before the run ends
+RANK_TIMEOUT = 120.0   # seconds a pass (a prefill chunk) may wait for another rank before the run ends
+
+ONE_CONVERSATION = ("a split target keeps one conversation (the other ranks mirror one cache): engine sessions "
+                    "do not run over --sharding")
 
 # What rank 0 asks of the others.
 STOP, FILL, VERIFY, ROLLBACK, RESET, QUANTIZE, TAPS = range(7)
@@ -118,8 +122,12 @@ class Channel:
     def connect(cls, group, target, watchdog: Optional[Watchdog] = None) -> "Channel":
         """Every rank calls this once the target is split: they learn each other's layers."""
         held = held_layers(target)
-        stages = mx.distributed.all_gather(mx.array([[held.start, held.stop]], mx.int32), group=group,
-                                           stream=mx.cpu)
+        try:
+            stages = mx.distributed.all_gather(mx.array([[held.start, held.stop]], mx.int32), group=group,
+                                               stream=mx.cpu)
+            mx.eval(stages)
+        except RuntimeError as e:   # a rank that died while loading
+            raise RanksLost(f"cannot reach the other ranks: {str(e).splitlines()[0]}") from None
         return cls(group, [range(a, b) for a, b in stages.tolist()], watchdog)
 
     @property
@@ -177,6 +185,11 @@ class Channel:
     def watching(self, what: str):
         return _Watching(self, what)
 
+    def rearm(self, what: str) -> None:
+        """A long wait goes on (the next chunk of a prefill): the timeout starts again."""
+        if self.watchdog and self.watchdog.deadline is not None:
+            self.watchdog.arm(what)
+
 
 class _Watching:
     """Arms the watchdog for one wait on the other ranks (inside another: for its length, then
@@ -195,23 +208,25 @@ class _Watching:
         dog = self.channel.watchdog
         if dog:
             dog.deadline, dog.what = self.outer
-        if isinstance(error, RuntimeError):
+        if isinstance(error, RuntimeError):   # MLX's collectives raise it when a peer is gone
             self.channel.broken = True
-            raise MlxSpecError(f"the split target failed ({self.what}): {str(error).splitlines()[0]}; "
-                               "a rank stopped or cannot be reached") from None
+            raise RanksLost(f"the split target failed ({self.what}): {str(error).splitlines()[0]}; "
+                            "a rank stopped or cannot be reached") from None
         return False
 
 
 class SplitEngine(Engine):
     """Rank 0's engine over a split target: every operation on the target's cache is ordered on
-    the other ranks first (the same code then runs there, distributed.follow). One generation
-    at a time; tree sources verify their chains."""
+    the other ranks first (the same code then runs there, Follower). One generation at a time;
+    tree sources verify their chains. Orders carry how many tokens rank 0's cache holds, which
+    each follower checks (out of step: it stops, and the run ends in one line)."""
+
+    in_pass = False   # an order of a pass was sent, and the pass is not over on this rank
 
     def __init__(self, target, drafter, channel: Channel, **settings):
         self.channel = channel
         if settings.get("sessions"):
-            raise MlxSpecError("a split target keeps one conversation: `mlx-spec serve` and engine sessions do "
-                               "not run over --sharding")
+            raise MlxSpecError(ONE_CONVERSATION)
         if drafter is not None and drafter.tree:
             chains = drafter.chains()
             if chains is None:
@@ -228,6 +243,12 @@ class SplitEngine(Engine):
             rank = channel.holder(layer)
             if rank != 0:
                 self.remote.setdefault(rank, []).append(layer)
+        size = channel.group.size()
+        far = [rank for rank in self.remote if rank not in (1, size - 1)]
+        if far:   # MLX's ring backend sends only between neighbours
+            raise MlxSpecError(f"the drafter reads layers {self.remote[far[0]]}, which pipeline rank {far[0]} of {size} "
+                               "holds, and a rank sends only to its neighbours: use --sharding tensor, at most 3 "
+                               "pipeline ranks, or a source that reads the last layers (mtp) or none")
         self.channel.send(RESET)   # the other ranks start this engine's cache as it starts here
         self.channel.send(TAPS, [v for rank, layers in self.remote.items() for layer in layers for v in (rank, layer)])
 
@@ -238,28 +259,54 @@ class SplitEngine(Engine):
         raise MlxSpecError("a prompt cache file holds the whole model's cache, not a rank's shard: "
                            "--prompt-cache-file does not run with --sharding")
 
+    def attach(self, session):
+        raise MlxSpecError(ONE_CONVERSATION)
+
+    def detach(self):
+        raise MlxSpecError(ONE_CONVERSATION)
+
+    def copy_session(self):
+        raise MlxSpecError(ONE_CONVERSATION)
+
     def with_chain_drafts(self):
         return None
 
     def unbatchable(self) -> Optional[str]:
         return "a split target (--sharding) runs one generation at a time"
 
+    def run(self, *args, **kwargs):
+        if self.channel.broken:
+            raise RanksLost("the split target lost a rank earlier: the run cannot go on")
+        return (yield from super().run(*args, **kwargs))
+
     def reset(self) -> None:
+        if self.in_pass:   # an error or Ctrl-C inside a pass: the others are still in it
+            self.channel.broken = True
+            raise RanksLost("a pass of the split target was interrupted, which leaves the ranks out of step: "
+                            "the run ends")
         self.channel.send(RESET)
         super().reset()
 
     def _roll_back(self, length: int) -> None:
         if length < len(self.cached_tokens):   # else nothing to drop (a step that kept every draft)
-            self.channel.send(ROLLBACK, [length])
+            self.channel.send(ROLLBACK, [len(self.cached_tokens), length])
         super()._roll_back(length)
 
+    @property
+    def prefill_taps(self) -> Sequence[int]:
+        return split_prefill_taps(self)
+
     def _fill(self, tokens: List[int]):
-        self.channel.send(FILL, tokens)
+        self.channel.send(FILL, [len(self.cached_tokens)] + list(tokens))
+        self.in_pass = True
         with self.channel.watching("a prefill pass"):
-            return super()._fill(tokens)
+            taps = super()._fill(tokens)
+        self.in_pass = False
+        return taps
 
     def chain_pass(self, inputs: mx.array, start: int):
-        self.channel.send(VERIFY, inputs.tolist())   # drafts drawn lazily are evaluated here
+        self.channel.send(VERIFY, [len(self.cached_tokens)] + inputs.tolist())   # evaluates lazy drafts
+        self.in_pass = True
         return super().chain_pass(inputs, start)
 
     def _verify(self, context, draft):
@@ -274,10 +321,12 @@ class SplitEngine(Engine):
 
     def filled(self, chunk, taps, pieces) -> None:
         super().filled(chunk, self._with_remote(taps, len(chunk)), pieces)
+        self.channel.rearm("a prefill pass")
 
     def settle_chain(self, context, drafts, n_accepted, next_token, taps):
-        return super().settle_chain(context, drafts, n_accepted, next_token,
-                                    self._with_remote(taps, 1 + len(drafts)))
+        taps = self._with_remote(taps, 1 + len(drafts))
+        self.in_pass = False
+        return super().settle_chain(context, drafts, n_accepted, next_token, taps)
 
     def _pass(self, pending):
         reply = super()._pass(pending)
@@ -288,6 +337,13 @@ class SplitEngine(Engine):
     def stop(self) -> None:
         """Let the other ranks go (their `follow` returns)."""
         self.channel.send(STOP)
+
+
+def split_prefill_taps(engine) -> List[int]:
+    """A prefill evaluates the cache and the taps, and every rank must run the same collectives:
+    with the last layer's output, whatever rank 0's drafter taps (under tensor sharding its
+    final all_sum; a pipeline stage's last layer is in its cache's graph anyway)."""
+    return sorted(set(engine.drafter.taps) | {engine.target.num_layers - 1})
 
 
 def tap_dtype(target):
@@ -311,9 +367,18 @@ class Follower(Engine):
         super().__init__(target, _Relay(), **dict(settings, sessions=False))
         self.channel = channel
 
+    @property
+    def prefill_taps(self) -> Sequence[int]:
+        return split_prefill_taps(self)
+
     def filled(self, chunk, taps, pieces) -> None:
         super().filled(chunk, taps, pieces)
         self.channel.send_taps(taps, self.drafter.taps, tap_dtype(self.target))
+
+    def _in_step(self, held: int) -> None:
+        if held != len(self.cached_tokens):
+            raise MlxSpecError(f"rank {self.channel.group.rank()} is out of step with rank 0: its cache holds "
+                               f"{len(self.cached_tokens)} tokens, rank 0's {held}")
 
     def follow(self) -> None:
         """Until rank 0 says STOP."""
@@ -321,6 +386,9 @@ class Follower(Engine):
             op, ints = self.channel.receive()
             if op == STOP:
                 return
+            if op in (FILL, VERIFY, ROLLBACK):
+                self._in_step(ints[0])
+                ints = ints[1:]
             if op == FILL:
                 self._fill(ints)
             elif op == VERIFY:

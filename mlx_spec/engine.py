@@ -284,13 +284,16 @@ class Engine:
         self.replay = None   # it replays from the state before the verification pass
         for i in range(len(self.cached_tokens), len(tokens), PREFILL_CHUNK):
             chunk = tokens[i:min(i + PREFILL_CHUNK, len(tokens))]
-            logits, taps = self.target.forward(mx.array(chunk)[None], self.cache, self.drafter.taps)
-            # The last position's logits too (a small head): the ranks of a split target must run
-            # the same collectives, whatever layers each one taps (distributed.py).
-            mx.eval([c.state for c in self.cache], taps, logits[:, -1])
+            _, taps = self.target.forward(mx.array(chunk)[None], self.cache, self.prefill_taps)
+            mx.eval([c.state for c in self.cache], taps)
             self.filled(chunk, taps, pieces)
             self._quantize_if_due()
         return {layer: mx.concatenate(hs, axis=1) for layer, hs in pieces.items()}
+
+    @property
+    def prefill_taps(self) -> Sequence[int]:
+        """The layers whose outputs a prefill pass evaluates (and hands the drafter)."""
+        return self.drafter.taps
 
     def _quantize_if_due(self) -> None:
         if self.kv_quantization:

@@ -3,3 +3,8 @@
 
 class MlxSpecError(Exception):
     """Bad input (missing/corrupt checkpoint, mismatched drafter, prompt too long, ...)."""
+
+
+class RanksLost(MlxSpecError):
+    """A split target (--sharding) cannot go on: a rank stopped, hangs or fell out of step.
+    Commands that serve several requests end on it, not only the request."""

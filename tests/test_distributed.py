@@ -237,8 +237,41 @@ def test_refusals_before_the_first_token(tmp_path):
         SplitEngine(target, None, channel, sessions=True)
     with pytest.raises(MlxSpecError, match="runs the target's own layers"):
         SplitEngine(target, LayerSkipDrafter(target, 1), channel)
+    engine = SplitEngine(target, None, channel)
     with pytest.raises(MlxSpecError, match="does not run with --sharding"):
-        SplitEngine(target, None, channel).resume([])
+        engine.resume([])
+    # A pass interrupted on rank 0 (an error, a second Ctrl-C) leaves the others inside it: fatal,
+    # and the engine refuses to go on.
+    from mlx_spec.errors import RanksLost
+
+    channel.broken = False
+    engine.in_pass = True
+    with pytest.raises(RanksLost, match="out of step"):
+        engine.reset()
+    assert channel.broken
+    with pytest.raises(RanksLost, match="lost a rank earlier"):
+        list(engine.generate([1, 2, 3], max_tokens=2))
+
+    # A follower checks it holds what rank 0's cache holds.
+    from mlx_spec.distributed import Follower
+
+    with pytest.raises(MlxSpecError, match="rank 0 is out of step with rank 0: its cache holds 0 tokens, rank 0's 5"):
+        Follower(target, channel)._in_step(5)
+
+    # MLX's ring sends only to neighbours: a drafter tapping rank 2 of 4 pipeline ranks is refused.
+    from mlx_spec.drafters.base import NoDrafter
+
+    class Tapping(NoDrafter):
+        taps = [1]
+
+    class FourRanks(TwoRanks):
+        def size(self):
+            return 4
+
+    far = Channel(FourRanks(), [range(3, 4), range(2, 3), range(1, 2), range(0, 1)])
+    far.broken = True
+    with pytest.raises(MlxSpecError, match="pipeline rank 2 of 4 holds"):
+        SplitEngine(target, Tapping(), far)
 
     from click.testing import CliRunner
 
@@ -246,5 +279,7 @@ def test_refusals_before_the_first_token(tmp_path):
 
     result = CliRunner().invoke(main, ["serve", "--sharding", "tensor"])
     assert result.exit_code == 1 and "this one is alone" in result.output
+    result = CliRunner().invoke(main, ["generate", "--sharding", "tensor", "--prompt-cache-file", "x", "hi"])
+    assert result.exit_code == 2 and "does not run with --sharding" in result.output
     result = CliRunner().invoke(main, ["generate", "--rank-timeout", "5", "hi"])
     assert result.exit_code == 1 and "is for a split target" in result.output

@@ -245,10 +245,14 @@ def test_mtp_continued_with_a_reduced_vocabulary_trains_over_it(target, data, tm
     model = load_mtp(tmp_path / "a", target)
     index = draft_index(model, VOCAB)
     assert sorted(index[index >= 0]) == list(range(12)) and all(index[ids] == np.arange(12))
+    train_mtp(target, data, tmp_path / "b", MTPOptions(steps=10, init=str(tmp_path / "a"), **options),
+              feature_dir=None)
+    (tmp_path / "b" / vocabulary.FILE).unlink()
+    # Resumed (the checkpoint has the weights, not the vocabulary): it goes on over the same one.
     result = train_mtp(target, data, tmp_path / "b", MTPOptions(steps=20, init=str(tmp_path / "a"), **options),
-                       feature_dir=None)
+                       feature_dir=None, resume=True)
     first, last = first_and_last(result.losses)
-    assert np.isfinite(result.losses).all() and last < first < np.log(12) + 1, result.losses
+    assert result.step == 20 and np.isfinite(result.losses).all() and last < np.log(12) + 1, result.losses
     assert list(vocabulary.read(tmp_path / "b", VOCAB)) == list(ids)
     prompt = json.loads((data / "train.jsonl").read_text().splitlines()[0])["prompt_tokens"]
     drafter = EagleDrafter(load_mtp(tmp_path / "b", target), VOCAB)
@@ -263,11 +267,12 @@ def test_mtp_soft_labels_are_the_targets_distribution_and_train(target, data, tm
 
     from mlx_spec.models.mtp import load_mtp
     from mlx_spec.train.loop import FeatureStore, load_sequences
-    from mlx_spec.train.mtp import MTPOptions, make_mtp_batch, new_mtp_model, train_mtp
+    from mlx_spec.train.mtp import MTPOptions, make_mtp_batch, new_mtp_model, target_head, train_mtp
 
     model = new_mtp_model(target)
     sequences = load_sequences(data, 1024)[:2]
-    _, _, rows, labels = make_mtp_batch(target, model, FeatureStore(target, model.taps), sequences, 2, soft=True)
+    _, _, rows, labels = make_mtp_batch(target, model, FeatureStore(target, model.taps), sequences, 2,
+                                        target_head(target, model))
     n = max(len(s.tokens) for s in sequences) - 1
     for j in range(2):
         for k, flat in enumerate(rows[j].tolist()):

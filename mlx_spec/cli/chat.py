@@ -4,7 +4,7 @@ import sys
 
 import click
 
-from ..errors import MlxSpecError
+from ..errors import MlxSpecError, RanksLost
 from ..api import stats_line
 from .common import echo_err, load_engine, model_label, model_options, reports_errors, stream
 
@@ -135,6 +135,8 @@ def chat(max_tokens, system, **options):
             reply = "".join(pieces)
             click.echo()
             echo_err("(interrupted)")
+        except RanksLost:   # a split target that lost a rank: the chat cannot go on
+            raise
         except MlxSpecError as e:
             messages.pop()
             echo_err(f"Error: {e}")

@@ -94,8 +94,8 @@ def model_options(f):
                      help="Split the target over the processes mlx.launch starts (mlx-lm's sharding: "
                           "tensor parallel, or pipeline stages); rank 0 drafts and prints."),
         click.option("--rank-timeout", type=click.FloatRange(min=1), default=None,
-                     help="With --sharding: seconds a pass may wait for the other ranks before the run "
-                          "ends [120]."),
+                     help="With --sharding: seconds a pass (or a prefill chunk) may wait for the other ranks "
+                          "before the run ends [120]."),
     ]
     for option in reversed(options):
         f = option(f)

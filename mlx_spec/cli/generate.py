@@ -70,6 +70,9 @@ def generate(prompt_arg, prompt_opt, max_tokens, system, no_chat_template, as_js
             raise click.UsageError("the prompt is empty: nothing came on stdin")
     if not prompt.strip():
         raise click.UsageError("the prompt is empty")
+    if prompt_cache_file and options["sharding"]:
+        raise click.UsageError("--prompt-cache-file holds the whole model's cache, not a rank's shard: it does "
+                               "not run with --sharding")
     if prompt_cache_file:
         engine, cached = open_prompt_cache(prompt_cache_file, options)
     else:

@@ -66,3 +66,5 @@ def serve(host, port, max_tokens, api_key, prompt_cache_size, prompt_cache_bytes
         server.shutdown_worker()
         server.server_close()
     echo_err("mlx-spec serve: stopped")
+    if server.worker.fatal is not None:
+        raise click.ClickException(str(server.worker.fatal))

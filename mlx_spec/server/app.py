@@ -10,8 +10,10 @@ generation stops within a step."""
 
 import hmac
 import json
+import os
 import queue
 import select
+import signal
 import socket
 import sys
 import threading
@@ -23,7 +25,7 @@ from .. import __version__
 from ..api import Responses, count, sampling_and_seed, stream_generate
 from ..batch import BatchEngine
 from ..cache import common_prefix_length
-from ..errors import MlxSpecError
+from ..errors import MlxSpecError, RanksLost
 from ..models.checkpoint import one_line
 from .protocol import Reply, Request, RequestError, parse, usage
 from .sessions import SessionCache
@@ -54,6 +56,7 @@ class Worker(threading.Thread):
         self.stopping = threading.Event()
         self.loaded = threading.Event()
         self.load_error: Optional[MlxSpecError] = None
+        self.fatal: Optional[RanksLost] = None   # the server cannot go on
 
     def start_engine(self):
         """Start the thread and wait for the engine; its loading error, if any, is raised here."""
@@ -192,6 +195,10 @@ class Worker(threading.Thread):
                     return   # closes the generator at this token: the cache stays consistent
         except Exception as e:   # never a traceback to the client; the server keeps serving
             job.events.put(("error", _request_error(e, self.log)))
+            if isinstance(e, RanksLost):   # ... but over a split target that lost a rank
+                self.fatal = e
+                self.log(f"error: {e}")
+                os.kill(os.getpid(), signal.SIGTERM)   # serve stops as on SIGTERM, then says why
 
     def stop(self) -> None:
         self.stopping.set()

@@ -26,6 +26,8 @@ class SessionCache:
     def prepare(self, prompt: List[int], engine: Optional[Engine] = None) -> None:
         """Make the engine's conversation (default: the first engine's; a batch has one engine
         per row, all sharing this store) the one that shares most with `prompt`."""
+        if not self.max_sessions:   # no store: the engine's own conversation is the cache
+            return
         engine = engine or self.engine
         live = common_prefix_length(engine.cached_tokens, prompt)
         shared = [common_prefix_length(s.tokens, prompt) for s in self.stored]

@@ -103,13 +103,21 @@ def mtp_loss(model: Model, embeds, hidden, rows, labels, step_weights):
     return total / sum(step_weights), {"accuracy": accuracy}
 
 
-def target_probabilities(target, model: Model, features: mx.array, rows: mx.array, j: int) -> mx.array:
+def target_head(target, model: Model) -> Callable[[mx.array], mx.array]:
+    """The target's output layer over the module's vocabulary (its own rows, never a module's head)."""
+    ids = model.draft_ids
+    if ids is None:
+        return target.lm_head
+    return vocabulary.OutputRows([target.output_layer], np.array(ids))
+
+
+def target_probabilities(target, head, features: mx.array, rows: mx.array, j: int) -> mx.array:
     """Soft labels of step j's rows: the target's distribution over the module's vocabulary at
-    the labelled position (renormalized there), from its last-layer output one position before
-    it (feature t + 1 + j of row t's sequence; flat indices into b * n)."""
+    the labelled position (renormalized there; head: target_head), from its last-layer output
+    one position before it (feature t + 1 + j of row t's sequence; flat indices into b * n:
+    a labelled row has t + 2 + j <= its length - 1, so that feature is its own, not padding)."""
     normed = target.final_norm(features.reshape(-1, features.shape[-1])[rows + 1 + j])
-    logits = model.rows(normed) if model.rows is not None else target.lm_head(normed)
-    return mx.stop_gradient(mx.softmax(logits.astype(mx.float32), axis=-1))
+    return mx.stop_gradient(mx.softmax(head(normed).astype(mx.float32), axis=-1))
 
 
 def draft_index(model: Model, vocab_size: int) -> np.ndarray:
@@ -124,22 +132,23 @@ def draft_index(model: Model, vocab_size: int) -> np.ndarray:
     return index
 
 
-def make_mtp_batch(target, model: Model, store: FeatureStore, sequences, steps: int, soft: bool = False):
+def make_mtp_batch(target, model: Model, store: FeatureStore, sequences, steps: int, soft_head=None):
     """(embeds, normed hidden, rows, labels): EAGLE-3's batch (train/eagle.py) over the
     module's vocabulary, with each step's labelled rows gathered (flat indices into b * n);
-    soft: labels are the target's probabilities (target_probabilities)."""
-    embeds, features, labels, weights = make_eagle_batch(target, model, store, sequences, steps,
-                                                          draft_index(model, target.vocab_size))
+    soft_head (target_head): labels are the target's probabilities (target_probabilities)."""
+    index = draft_index(model, target.vocab_size)
+    embeds, features, labels, weights = make_eagle_batch(target, model, store, sequences, steps, index)
     labels, weights = np.array(labels).reshape(steps, -1), np.array(weights).reshape(steps, -1)
     rows = [np.flatnonzero(w) for w in weights]
     if not len(rows[0]):   # a batch without responses: a harmless row (cannot happen with real data)
         first = sequences[0].tokens
-        rows, labels = [np.array([0])] * steps, np.full((steps, 1), first[2] if len(first) > 2 else 0)
+        rows, labels = [np.array([0])] * steps, np.full((steps, 1), max(0, index[first[2]]) if len(first) > 2 else 0)
+        soft_head = None
     else:
         labels = [labels[j][r] for j, r in enumerate(rows)]
     rows = [mx.array(r) for r in rows]
-    labels = ([target_probabilities(target, model, features, r, j) for j, r in enumerate(rows)] if soft
-              else [mx.array(l) for l in labels])
+    labels = ([target_probabilities(target, soft_head, features, r, j) for j, r in enumerate(rows)]
+              if soft_head is not None else [mx.array(l) for l in labels])
     return embeds, model.fuse(features).astype(mx.float32), rows, labels
 
 
@@ -186,6 +195,11 @@ def train_mtp(target, data_dir, out_dir, options: Optional[MTPOptions] = None, r
         model.set_dtype(mx.float32)
     else:
         model = new_mtp_model(target, o.seed)
+    if o.init and model.draft_ids is None:   # resumed: the draft vocabulary is not in the checkpoint
+        ids = vocabulary.read(o.init, target.vocab_size)
+        if ids is not None:
+            model.use_vocabulary(ids)
+    soft_head = target_head(target, model) if o.labels == "soft" else None
     store = FeatureStore(target, model.taps, out_dir / "features" if feature_dir == "default" else feature_dir)
     store.prepare([sequences[i] for i in used_indices(len(sequences), o.batch_size, start, o.steps, o.seed)],
                   feature_progress)
@@ -193,7 +207,7 @@ def train_mtp(target, data_dir, out_dir, options: Optional[MTPOptions] = None, r
 
     def make_batch(step):
         batch = [sequences[i] for i in batch_indices(len(sequences), o.batch_size, step, o.seed)]
-        return ((*make_mtp_batch(target, model, store, batch, o.ttt_steps, soft=o.labels == "soft"), step_weights),
+        return ((*make_mtp_batch(target, model, store, batch, o.ttt_steps, soft_head), step_weights),
                 sum(len(s.tokens) for s in batch))
 
     architecture = {"hidden_size": target.hidden_size, "target_layers": target.num_layers,
