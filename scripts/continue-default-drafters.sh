@@ -6,6 +6,9 @@
 # held-out prompts (mlx-spec bench --prompts benchmarks/heldout_prompts.jsonl).
 # DATA_TEMP=0.7 DATA_SEED=1 answers the prompts by sampling instead (the word problems' numbers
 # change with the seed): new text for drafters already trained on the greedy answers.
+# DATA_MIX=1 trains on both, the greedy and the sampled answers (each prompt twice; the held-out
+# split is by prompt, so it stays held out): what the MTP runs of 2026-12-03 trained on.
+# LABELS=soft (mtp): the target's distribution at each position instead of the data's token.
 # Every run logs its dev tau at 4 drafts every EVAL_EVERY steps (OUT/train_log.jsonl; copy it to
 # benchmarks/training/ and run benchmarks/plot_learning_curves.py).
 set -e
@@ -23,7 +26,18 @@ if [ "$DATA_TEMP" != 0 ] || [ "$DATA_SEED" != 0 ]; then
   DATA="$WORK/data-t$DATA_TEMP-s$DATA_SEED" FEATURES="$WORK/features-t$DATA_TEMP-s$DATA_SEED"
 fi
 
-$BIN/mlx-spec train data --out "$DATA" --max-tokens 160 --temp "$DATA_TEMP" --seed "$DATA_SEED"   # resumable
+LABELS=${LABELS:-hard}
+if [ "${DATA_MIX:-0}" = 1 ]; then
+  $BIN/mlx-spec train data --out "$WORK/data" --max-tokens 160   # resumable
+  $BIN/mlx-spec train data --out "$WORK/data-t0.7-s1" --max-tokens 160 --temp 0.7 --seed 1
+  DATA="$WORK/data-mixed"
+  mkdir -p "$DATA"
+  for split in train heldout; do
+    cat "$WORK/data/$split.jsonl" "$WORK/data-t0.7-s1/$split.jsonl" > "$DATA/$split.jsonl"
+  done
+else
+  $BIN/mlx-spec train data --out "$DATA" --max-tokens 160 --temp "$DATA_TEMP" --seed "$DATA_SEED"   # resumable
+fi
 for method in $METHODS; do
   case $method in
   eagle)
@@ -36,9 +50,10 @@ for method in $METHODS; do
         --save-dtype float16 --save-every 25 --out "$WORK/dflash2" --init "$SHIP/dflash" --steps 1500 \
         --batch-size 4 --lr 3e-4 --warmup 10 --blocks 32 --max-minutes "$MINUTES" --eval-every "$EVAL_EVERY" ;;
   mtp)
-    # the shipped module's loss was still falling at its last step (800)
-    $BIN/mlx-spec train mtp --data "$DATA" --feature-cache "$FEATURES-last" --max-length 512 \
-        --save-dtype float16 --save-every 25 --out "$WORK/mtp2" --init "$SHIP/mtp" --steps 1000 \
-        --batch-size 4 --lr 2e-4 --warmup 10 --ttt-steps 3 --max-minutes "$MINUTES" --eval-every "$EVAL_EVERY" ;;
+    # 2026-12-03: on the mixed data, lr 1.5e-4, dev tau 1.83 -> see benchmarks/training/mtp-fixed-*
+    $BIN/mlx-spec train mtp --data "$DATA" --feature-cache "$FEATURES-last" \
+        --save-every 100 --out "$WORK/mtp3-$LABELS" --init "$SHIP/mtp" --steps 2000 --labels "$LABELS" \
+        --batch-size 4 --lr 1.5e-4 --warmup 50 --ttt-steps 3 --max-minutes "$MINUTES" --eval-every 100 \
+        --eval-prompts 16 ;;
   esac
 done
