@@ -10,7 +10,7 @@ LAYERS = [
     {"errors"},
     {"hub", "sampling", "cost", "cache", "verify", "tree", "models", "suffix_memory"},
     {"drafters"},
-    {"policy", "engine", "batch"},
+    {"policy", "engine", "batch", "distributed"},
     {"convert", "train", "bench", "bench_suite"},
     {"api"},
     {"server"},
