@@ -50,7 +50,7 @@ for method in $METHODS; do
         --save-dtype float16 --save-every 25 --out "$WORK/dflash2" --init "$SHIP/dflash" --steps 1500 \
         --batch-size 4 --lr 3e-4 --warmup 10 --blocks 32 --max-minutes "$MINUTES" --eval-every "$EVAL_EVERY" ;;
   mtp)
-    # 2026-12-03: on the mixed data, lr 1.5e-4, dev tau 1.83 -> see benchmarks/training/mtp-fixed-*
+    # 2026-12-03: the mixed data, lr 1.5e-4: dev tau 1.83 -> 2.10 in 72 min (benchmarks/training/mtp-fixed-*)
     $BIN/mlx-spec train mtp --data "$DATA" --feature-cache "$FEATURES-last" \
         --save-every 100 --out "$WORK/mtp3-$LABELS" --init "$SHIP/mtp" --steps 2000 --labels "$LABELS" \
         --batch-size 4 --lr 1.5e-4 --warmup 50 --ttt-steps 3 --max-minutes "$MINUTES" --eval-every 100 \
