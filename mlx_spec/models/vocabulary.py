@@ -46,6 +46,13 @@ def ids_from_d2t(offsets, vocab_size: int, where) -> np.ndarray:
     return ids
 
 
+def columns(ids: np.ndarray, vocab_size: int) -> np.ndarray:
+    """[target vocab] -> the column of a drafter over `ids`, -1 outside them."""
+    out = np.full(vocab_size, -1, np.int64)
+    out[np.asarray(ids)] = np.arange(len(ids))
+    return out
+
+
 def write(directory, ids: np.ndarray) -> Path:
     path = Path(directory) / FILE
     mx.save_safetensors(str(path), {"d2t": d2t(ids)}, metadata={"format": "mlx"})

@@ -73,10 +73,7 @@ def new_eagle_model(target, draft_ids: np.ndarray, layer_ids: Optional[Sequence[
 
 def target_to_draft(model: Model) -> np.ndarray:
     """[target vocab] -> draft id, or -1 outside the draft vocabulary."""
-    ids = np.arange(model.args.draft_vocab_size) + np.array(model.d2t)
-    out = np.full(model.args.vocab_size, -1, np.int64)
-    out[ids] = np.arange(len(ids))
-    return out
+    return vocabulary.columns(np.arange(model.args.draft_vocab_size) + np.array(model.d2t), model.args.vocab_size)
 
 
 # --- training-time test ------------------------------------------------------------------------

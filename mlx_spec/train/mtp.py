@@ -125,11 +125,7 @@ def draft_index(model: Model, vocab_size: int) -> np.ndarray:
     (a drafter continued with --init) its column, -1 where it has none (such labels are not
     trained: the module cannot draft them)."""
     ids = model.draft_ids
-    if ids is None:
-        return np.arange(vocab_size)
-    index = np.full(vocab_size, -1)
-    index[np.array(ids)] = np.arange(len(ids))
-    return index
+    return np.arange(vocab_size) if ids is None else vocabulary.columns(np.array(ids), vocab_size)
 
 
 def make_mtp_batch(target, model: Model, store: FeatureStore, sequences, steps: int, soft_head=None):
