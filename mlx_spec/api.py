@@ -119,7 +119,7 @@ def _load_split(path, dtype, draft, options, settings, sharding, rank_timeout):
         except MlxSpecError:
             pass   # they did already (they refused the same settings): this rank's reason stands
         raise
-    atexit.register(engine.stop)
+    atexit.register(engine.close)   # for a caller that never closes it
     return engine, target.tokenizer
 
 

@@ -224,7 +224,7 @@ class SplitEngine(Engine):
     in_pass = False   # an order of a pass was sent, and the pass is not over on this rank
 
     def __init__(self, target, drafter, channel: Channel, **settings):
-        self.channel = channel
+        self.channel, self.closed = channel, False
         if settings.get("sessions"):
             raise MlxSpecError(ONE_CONVERSATION)
         if drafter is not None and drafter.tree:
@@ -280,7 +280,8 @@ class SplitEngine(Engine):
         return (yield from super().run(*args, **kwargs))
 
     def reset(self) -> None:
-        if self.in_pass:   # an error or Ctrl-C inside a pass: the others are still in it
+        # An error or Ctrl-C inside a pass leaves the others in it; a lost rank said so already.
+        if self.in_pass and not self.channel.broken:
             self.channel.broken = True
             raise RanksLost("a pass of the split target was interrupted, which leaves the ranks out of step: "
                             "the run ends")
@@ -334,9 +335,12 @@ class SplitEngine(Engine):
             self.channel.send(QUANTIZE)   # as this rank did after the verification (a prefill's
         return reply                       # chunks quantize alike on every rank)
 
-    def stop(self) -> None:
-        """Let the other ranks go (their `follow` returns)."""
-        self.channel.send(STOP)
+    def close(self) -> None:
+        """Let the other ranks go (their `follow` returns); once, whoever calls it first (the
+        thread running the engine, else the exit of the process)."""
+        if not self.closed:
+            self.closed = True
+            self.channel.send(STOP)
 
 
 def split_prefill_taps(engine) -> List[int]:

@@ -228,6 +228,10 @@ class Engine:
     def reset(self) -> None:
         self._attach(Session(cache=make_cache(self.target.model, self.max_kv_size)))
 
+    def close(self) -> None:
+        """Done with the engine: let go of what it holds beyond memory (nothing, on one machine).
+        Called on the thread that runs it."""
+
     def detach(self) -> Session:
         """Hand over the current conversation; the engine starts empty."""
         session = self.session

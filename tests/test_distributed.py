@@ -39,7 +39,9 @@ class Ranks:
         hostfile.write_text(json.dumps([[f"127.0.0.1:{port}"] for port in free_ports(2)]))
         self.procs = []
         for rank in (1, 0):
-            env = dict(os.environ, MLX_RANK=str(rank), MLX_HOSTFILE=str(hostfile), HF_HUB_OFFLINE="1")
+            # PYTHONFAULTHANDLER: a rank that crashes shows where (in the failing test's message)
+            env = dict(os.environ, MLX_RANK=str(rank), MLX_HOSTFILE=str(hostfile), HF_HUB_OFFLINE="1",
+                       PYTHONFAULTHANDLER="1")
             self.procs.insert(0, subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE,
                                                   stderr=subprocess.PIPE, text=True))
 
@@ -163,7 +165,7 @@ def test_serve_over_two_ranks(chat_model, tmp_path):
         ranks.procs[0].send_signal(signal.SIGTERM)
         ranks.procs[0].wait(timeout=30)
         ranks.procs[1].wait(timeout=30)
-        assert [p.returncode for p in ranks.procs] == [0, 0]
+        assert [p.returncode for p in ranks.procs] == [0, 0], [p.stderr.read()[-3000:] for p in ranks.procs]
 
 
 def started_streaming(ranks, seconds=120):

@@ -18,6 +18,8 @@ import socket
 import sys
 import threading
 import time
+
+import mlx.core as mx
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Optional
 
@@ -68,6 +70,12 @@ class Worker(threading.Thread):
 
     def run(self):
         try:
+            self._run()
+        finally:   # by this thread, else the process may abort as it exits (MLX 0.32, mlx#4327)
+            mx.clear_streams()
+
+    def _run(self):
+        try:
             self.engine = self.load()
         except MlxSpecError as e:
             self.load_error = e
@@ -89,10 +97,13 @@ class Worker(threading.Thread):
                 self.log(f"batching off: {reason}; requests run one at a time")
         self.sessions = SessionCache(self.engine, self.max_sessions, self.max_cache_bytes)
         self.loaded.set()
-        if self.batch is not None:
-            self._serve_batched()
-        else:
-            self._serve_one_at_a_time()
+        try:
+            if self.batch is not None:
+                self._serve_batched()
+            else:
+                self._serve_one_at_a_time()
+        finally:
+            self.engine.close()   # here: MLX's streams belong to this thread
         while True:   # stopped: whoever still waits is told so
             try:
                 job = self.jobs.get_nowait()
