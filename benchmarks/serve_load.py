@@ -24,7 +24,8 @@ Fairness:
   --draft METHOD` at its default --max-batch; `METHOD/N` passes --max-batch N (`/1`: one request
   at a time, as before batching);
 - both keep prompt caches at their defaults: a prompt repeated at a later level may find its
-  prefix cached (usage.prompt_tokens_details.cached_tokens, summed in --json).
+  prefix cached (usage.prompt_tokens_details.cached_tokens, summed in --json); --cold starts a
+  fresh server for each level, so that levels compare batching alone.
 
     .venv/bin/python benchmarks/serve_load.py --concurrency 1,2,4,8 --max-tokens 64 [--json out.json]
     .venv/bin/python benchmarks/serve_load.py --concurrency 1,2 --max-tokens 8 --limit 2 --configs mlx_lm,lookup
@@ -251,27 +252,30 @@ def run_level(port, model, prompts, concurrency, args, seeded=True):
 
 
 def run_config(config, model_dir, prompts, args):
-    """One server, started and stopped here: dict(model=the id sent, levels={concurrency: level})."""
-    server = start_server(config, model_dir, args)
-    try:
-        server.wait_ready(args.start_timeout)
-        model = served_model(server.port, model_dir)
-        warm = stream_chat(server.port, request_body(model, "Hello!", 0, args, max_tokens=4), args.start_timeout)
-        if warm["error"]:
-            server.fail(f"warm-up failed: {warm['error']}")
-        levels = {}
-        for concurrency in args.concurrency:
-            # mlx_lm.server batches only requests without a seed: at temperature > 0 it gets none
-            # (its best throughput; its sampled texts are then not comparable), unless --seed-mlx-lm.
-            seeded = config != "mlx_lm" or args.seed_mlx_lm
-            results, wall, jobs = run_level(server.port, model, prompts, concurrency, args, seeded)
-            levels[concurrency] = dict(results=results, wall=wall, jobs=jobs)
-            errors = [r["error"] for r in results if r["error"]]
-            print(f"{config} x{concurrency}: {len(results)} requests in {wall:.1f} s"
-                  + (f", {len(errors)} failed (first: {errors[0]})" if errors else ""), file=sys.stderr)
-        return dict(model=model, levels=levels)
-    finally:
-        server.stop()
+    """One server, started and stopped here (with --cold, one per level):
+    dict(model=the id sent, levels={concurrency: level})."""
+    levels, model = {}, None
+    groups = [[c] for c in args.concurrency] if args.cold else [args.concurrency]
+    for group in groups:
+        server = start_server(config, model_dir, args)
+        try:
+            server.wait_ready(args.start_timeout)
+            model = served_model(server.port, model_dir)
+            warm = stream_chat(server.port, request_body(model, "Hello!", 0, args, max_tokens=4), args.start_timeout)
+            if warm["error"]:
+                server.fail(f"warm-up failed: {warm['error']}")
+            for concurrency in group:
+                # mlx_lm.server batches only requests without a seed: at temperature > 0 it gets none
+                # (its best throughput; its sampled texts are then not comparable), unless --seed-mlx-lm.
+                seeded = config != "mlx_lm" or args.seed_mlx_lm
+                results, wall, jobs = run_level(server.port, model, prompts, concurrency, args, seeded)
+                levels[concurrency] = dict(results=results, wall=wall, jobs=jobs)
+                errors = [r["error"] for r in results if r["error"]]
+                print(f"{config} x{concurrency}: {len(results)} requests in {wall:.1f} s"
+                      + (f", {len(errors)} failed (first: {errors[0]})" if errors else ""), file=sys.stderr)
+        finally:
+            server.stop()
+    return dict(model=model, levels=levels)
 
 
 def summarize(config, concurrency, level, own_c1, mlx_lm_c1):
@@ -329,6 +333,8 @@ def main():
     parser.add_argument("--repeats", type=int, default=1, help="times each prompt goes per level")
     parser.add_argument("--timeout", type=float, default=600, help="seconds one request may take")
     parser.add_argument("--start-timeout", type=float, default=600, help="seconds a server may take to come up")
+    parser.add_argument("--cold", action="store_true",
+                        help="a fresh server for each level: no prompt cached by an earlier level (batching alone)")
     parser.add_argument("--json", default=None, help="write every request's result here")
     args = parser.parse_args()
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
@@ -352,6 +358,7 @@ def main():
     print(f"{len(prompts)} prompts x {args.repeats}, max_tokens {args.max_tokens}, temperature {args.temperature}; "
           f"weights {model_dir}. mlx_lm = mlx_lm.server, batching at its defaults"
           f"{(' (off: requests carry a seed)' if args.seed_mlx_lm else ' (requests carry no seed)') if args.temperature > 0 else ''}"
+          f"{'; a fresh server per level (--cold)' if args.cold else ''}"
           "; others = mlx-spec serve --draft X (batched, --max-batch at its default), X/N: --max-batch N "
           "(X/1: one request at a time). Decode tok/s = completion tokens / (total - TTFT), per request.\n")
     print("| config | clients | ok | median TTFT ms | median decode tok/s | aggregate tok/s | = own c1 | = mlx_lm c1 |")
