@@ -25,11 +25,10 @@ from pathlib import Path
 import mlx.core as mx
 
 from mlx_spec.api import model_path
-from mlx_spec.bench import baseline_steps, load_prompts, method_steps
-from mlx_spec.distributed import STOP, Channel, Follower, SplitEngine, Watchdog, init_group, shard_model
+from mlx_spec.bench import baseline_sampler, baseline_steps, load_prompts, method_steps
+from mlx_spec.distributed import STOP, Follower, SplitTarget
 from mlx_spec.drafters import draft_tokens, make_drafter, source_options
-from mlx_spec.models.target import load_target
-from mlx_spec.sampling import Sampler, SamplingParams
+from mlx_spec.sampling import SamplingParams
 
 HERE = Path(__file__).parent
 
@@ -48,17 +47,30 @@ def collective_seconds(group, hidden_size, positions, repeats=50):
     return statistics.median(times)
 
 
+def transfer_seconds(group, hidden_size, positions, layers, repeats=50):
+    """Median time of what a pipeline stage sends rank 0 after each pass when rank 0's drafter
+    reads its layers: [1, positions, hidden x layers] float32 from rank 1 to rank 0 (None on
+    the other ranks, which take no part)."""
+    x = mx.ones((1, positions, hidden_size * layers))
+    times = []
+    for i in range(5 + repeats):
+        tic = time.perf_counter()
+        if group.rank() == 1:
+            mx.eval(mx.distributed.send(x, 0, group=group, stream=mx.cpu))
+        elif group.rank() == 0:
+            mx.eval(mx.distributed.recv_like(x, 1, group=group, stream=mx.cpu))
+        if i >= 5:
+            times.append(time.perf_counter() - tic)
+        mx.eval(mx.distributed.all_sum(mx.zeros(1), group=group, stream=mx.cpu))   # the next one starts together
+    return statistics.median(times) if group.rank() == 0 else None
+
+
 def plain_run(target, prompt, max_tokens, sampling, seed):
     """mlx-lm's decoding of the split target on every rank: (tokens, seconds)."""
-    from mlx_lm.generate import generation_stream
-    from mlx_lm.sample_utils import make_sampler
-
-    sampler = make_sampler(0.0) if sampling.greedy else Sampler(sampling, seed)
     out = {}
     tic = time.perf_counter()
-    for _ in baseline_steps(target, prompt, max_tokens, sampler, out):
+    for _ in baseline_steps(target, prompt, max_tokens, baseline_sampler(sampling, seed), out):
         pass
-    mx.synchronize(generation_stream)   # its step ahead ends before any other collective starts
     return out["tokens"], time.perf_counter() - tic
 
 
@@ -75,13 +87,13 @@ def main():
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
-    group = init_group(args.sharding)
-    rank0 = group.rank() == 0
-    target = load_target(model_path(args.model), "auto",
-                         shard=lambda model, config: shard_model(model, config, args.sharding, group))
-    channel = Channel.connect(group, target, Watchdog(300) if rank0 else None)
+    split = SplitTarget(model_path(args.model), "auto", args.sharding, rank_timeout=300)
+    target, channel, rank0 = split.target, split.channel, split.leader
+    group = channel.group
     follower = None if rank0 else Follower(target, channel)
     comm = {n: collective_seconds(group, target.hidden_size, n) for n in (1, 8)}
+    # EAGLE-3 reads 3 layers, DFlash 5 (its shipped layer: 3): one pass of 1 or 8 positions
+    taps = {f"{n}x{k}": transfer_seconds(group, target.hidden_size, n, k) for n in (1, 8) for k in (3, 5)}
     items = load_prompts(args.prompts)[:args.limit or None]
     methods = args.methods.split(",")
     records = []
@@ -101,8 +113,8 @@ def main():
                         continue
                     if method not in engines:
                         drafter = make_drafter(method, target, source_options(method))
-                        engines[method] = SplitEngine(target, drafter, channel, sampling=sampling,
-                                                      num_draft_tokens=draft_tokens(method, None))
+                        engines[method] = split.engine(drafter, sampling=sampling,
+                                                       num_draft_tokens=draft_tokens(method, None))
                     engine = engines[method]
                     engine.sampler.reseed(repeat)
                     out = {}
@@ -119,7 +131,9 @@ def main():
     summary = summarize(records, methods)
     print(f"{group.size()} ranks, --sharding {args.sharding}, {target.model_type} "
           f"{target.num_layers} layers; one all_sum of [1, n, {target.hidden_size}] float32: "
-          + ", ".join(f"n={n} {s * 1e3:.2f} ms" for n, s in comm.items()))
+          + ", ".join(f"n={n} {s * 1e3:.2f} ms" for n, s in comm.items())
+          + f"; rank 1 -> 0 of [1, n, {target.hidden_size} x layers] (a stage's taps): "
+          + ", ".join(f"{key} {s * 1e3:.2f} ms" for key, s in taps.items()))
     print(f"{'temp':>4} {'method':>8} {'plain tok/s':>11} {'tok/s':>7} {'speedup':>7} {'tokens/step':>11} identical")
     for row in summary:
         print(f"{row['temp']:>4g} {row['method']:>8} {row['plain_tps']:>11.1f} {row['tps']:>7.1f} "
@@ -127,6 +141,7 @@ def main():
     if args.out:
         Path(args.out).write_text(json.dumps(dict(ranks=group.size(), sharding=args.sharding,
                                                   model=args.model or "embedded", collective_seconds=comm,
+                                                  tap_transfer_seconds=taps,
                                                   summary=summary, records=records), indent=1))
 
 

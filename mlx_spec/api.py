@@ -95,32 +95,16 @@ def _load_split(path, dtype, draft, options, settings, sharding, rank_timeout):
     """load's (engine, tokenizer) on rank 0 of a split target; the other ranks follow it, then exit."""
     import atexit
 
-    from .distributed import RANK_TIMEOUT, STOP, Channel, Follower, SplitEngine, Watchdog, init_group, shard_model
+    from .distributed import SplitTarget
     from .drafters import make_drafter
-    from .models.target import load_target
 
-    group = init_group(sharding)
-    target = load_target(path, dtype, shard=lambda model, config: shard_model(model, config, sharding, group))
-    if group.rank() != 0:
-        try:
-            Follower(target, Channel.connect(group, target), **settings).follow()
-        except RuntimeError:
-            sys.exit(1)   # rank 0 is gone: it says why
-        except MlxSpecError as e:
-            print(f"mlx-spec: rank {group.rank()}: {e}", file=sys.stderr)
-            sys.exit(1)
+    split = SplitTarget(path, dtype, sharding, rank_timeout)
+    if not split.leader:
+        split.follow(**settings)
         sys.exit(0)
-    channel = Channel.connect(group, target, Watchdog(rank_timeout or RANK_TIMEOUT))
-    try:
-        engine = SplitEngine(target, make_drafter(draft, target, options), channel, **settings)
-    except MlxSpecError:
-        try:
-            channel.send(STOP)   # the others end with this rank
-        except MlxSpecError:
-            pass   # they did already (they refused the same settings): this rank's reason stands
-        raise
+    engine = split.engine(make_drafter(draft, split.target, options), **settings)
     atexit.register(engine.close)   # for a caller that never closes it
-    return engine, target.tokenizer
+    return engine, split.target.tokenizer
 
 
 def sampling_params(temp: float = 0.0, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0, **unknown):

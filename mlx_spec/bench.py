@@ -25,10 +25,11 @@ import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import mlx.core as mx
 
+from .distributed import PLAIN
 from .errors import MlxSpecError
 from .sampling import Sampler
 
@@ -123,12 +124,27 @@ TURN_SECONDS = 0.5   # a turn of one of two interleaved generations: short again
                      # long against what a turn's end costs mlx-lm (one step not overlapped)
 
 
-def baseline_steps(target, prompt_tokens, max_tokens, sampler, out: dict, cache_flags: Optional[dict] = None):
+def baseline_sampler(sampling, seed: int, residual: bool = False):
+    """What the baseline draws with: the engines' seeded rule where outputs are compared (so
+    that both write the same text), else mlx-lm's own sampler."""
+    from mlx_lm.sample_utils import make_sampler
+
+    if sampling.greedy or residual:
+        return make_sampler(sampling.temp, sampling.top_p, sampling.min_p, top_k=sampling.top_k)
+    return Sampler(sampling, seed)
+
+
+def baseline_steps(target, prompt_tokens, max_tokens, sampler, out: dict, cache_flags: Optional[dict] = None,
+                   channel=None):
     """Plain mlx-lm on the same weights, one step per iteration; out gets "tokens" and "text".
     sampler: mlx-lm's, or a Sampler whose seeded rule is drawn with (seeded_sampler);
-    cache_flags: stream_generate's kv_bits, kv_group_size, quantized_kv_start."""
+    cache_flags: stream_generate's kv_bits, kv_group_size, quantized_kv_start; channel: a split
+    target's (rank 0), whose other ranks are ordered to run the same (follow_baseline)."""
     from mlx_lm import stream_generate
+    from mlx_lm.generate import generation_stream
 
+    if channel is not None:
+        channel.send(PLAIN, [max_tokens, *prompt_tokens])
     if isinstance(sampler, Sampler):
         sampler = seeded_sampler(sampler, len(prompt_tokens))
     tokens, pieces, eos = [], [], set(target.eos_token_ids)
@@ -140,6 +156,15 @@ def baseline_steps(target, prompt_tokens, max_tokens, sampler, out: dict, cache_
             tokens.append(response.token)
         yield
     out["text"] = "".join(pieces)
+    mx.synchronize(generation_stream)   # the step computed ahead: its time (and collectives) end here
+
+
+def follow_baseline(target, sampler, cache_flags: Optional[dict] = None) -> Callable[[List[int]], None]:
+    """Another rank's side of baseline_steps over a split target (Follower.follow's plain)."""
+    def run(order: List[int]) -> None:
+        for _ in baseline_steps(target, order[1:], order[0], sampler, {}, cache_flags):
+            pass
+    return run
 
 
 def method_steps(engine, prompt_tokens, max_tokens, out: dict):
@@ -180,19 +205,32 @@ def timed_in_turns(runs, turn_seconds=TURN_SECONDS) -> List[float]:
     return seconds
 
 
-def run_bench(target, engines: Dict[str, object], items, max_tokens, repeats, sampling, seed=0,
-              progress=None, residual=False, cache_flags: Optional[dict] = None) -> List[Record]:
-    """Every turn of every item, `repeats` times: each method interleaved with a baseline run
-    (with mlx-lm's cache_flags, as the engines have them)."""
-    from mlx_lm.sample_utils import make_sampler
+def timed_in_sequence(runs) -> List[float]:
+    """The step iterators `runs` one after the other (a split target's ranks run one generation
+    at a time): the seconds each one took."""
+    seconds = []
+    for run in runs:
+        tic = time.perf_counter()
+        for _ in run:
+            pass
+        mx.synchronize()
+        seconds.append(time.perf_counter() - tic)
+    return seconds
 
+
+def run_bench(target, engines: Dict[str, object], items, max_tokens, repeats, sampling, seed=0,
+              progress=None, residual=False, cache_flags: Optional[dict] = None, channel=None) -> List[Record]:
+    """Every turn of every item, `repeats` times: each method interleaved with a baseline run
+    (with mlx-lm's cache_flags, as the engines have them). channel: a split target's (rank 0;
+    the engines are its SplitEngines): every rank runs the baseline too, and the two runs of a
+    pair go one after the other, not in turns."""
     compared = sampling.greedy or not residual   # outputs that must equal the baseline's
-    sampler = (Sampler(sampling, seed) if compared and not sampling.greedy else
-               make_sampler(sampling.temp, sampling.top_p, sampling.min_p, top_k=sampling.top_k))
+    sampler = baseline_sampler(sampling, seed, residual)
+    timed = timed_in_turns if channel is None else timed_in_sequence
     tokenizer = target.tokenizer
     warmup = tokenizer.apply_chat_template([{"role": "user", "content": "Hello"}], add_generation_prompt=True)
-    timed_in_turns([baseline_steps(target, warmup, 8, sampler, {}, cache_flags),
-                    *(method_steps(engine, warmup, 8, {}) for engine in engines.values())])
+    timed([baseline_steps(target, warmup, 8, sampler, {}, cache_flags, channel),
+           *(method_steps(engine, warmup, 8, {}) for engine in engines.values())])
     mx.random.seed(seed)
 
     records = []
@@ -207,13 +245,13 @@ def run_bench(target, engines: Dict[str, object], items, max_tokens, repeats, sa
                 base_prompt = prompt_of("baseline")
                 for name, engine in engines.items():
                     base, run = {}, {}
-                    runs = [baseline_steps(target, base_prompt, max_tokens, sampler, base, cache_flags),
+                    runs = [baseline_steps(target, base_prompt, max_tokens, sampler, base, cache_flags, channel),
                             method_steps(engine, prompt_of(name), max_tokens, run)]
                     # Who starts alternates (one record per pair): neither always gets the
                     # first turn's machine state.
                     order = [0, 1] if len(records) % 2 == 0 else [1, 0]
-                    timed = timed_in_turns([runs[i] for i in order])
-                    base_seconds, seconds = (timed[order.index(0)], timed[order.index(1)])
+                    seconds_in_order = timed([runs[i] for i in order])
+                    base_seconds, seconds = (seconds_in_order[order.index(0)], seconds_in_order[order.index(1)])
                     histories[name].append({"role": "assistant", "content": run["text"]})
                     stats, base_tokens = run["stats"], base["tokens"]
                     diff = _first_difference(run["tokens"], base_tokens)

@@ -15,7 +15,7 @@ import os
 import sys
 import threading
 import time
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
@@ -30,7 +30,7 @@ ONE_CONVERSATION = ("a split target keeps one conversation (the other ranks mirr
                     "do not run over --sharding")
 
 # What rank 0 asks of the others.
-STOP, FILL, VERIFY, ROLLBACK, RESET, QUANTIZE, TAPS = range(7)
+STOP, FILL, VERIFY, ROLLBACK, RESET, QUANTIZE, TAPS, PLAIN = range(8)   # PLAIN: Follower.follow's `plain`
 
 
 def init_group(sharding: str):
@@ -384,12 +384,16 @@ class Follower(Engine):
             raise MlxSpecError(f"rank {self.channel.group.rank()} is out of step with rank 0: its cache holds "
                                f"{len(self.cached_tokens)} tokens, rank 0's {held}")
 
-    def follow(self) -> None:
-        """Until rank 0 says STOP."""
+    def follow(self, plain: Optional[Callable[[List[int]], None]] = None) -> None:
+        """Until rank 0 says STOP. plain: what a PLAIN order runs on every rank (the benchmark's
+        decoding by mlx-lm alone, its prompt in the order)."""
         while True:
             op, ints = self.channel.receive()
             if op == STOP:
                 return
+            if op == PLAIN and plain is not None:
+                plain(ints)
+                continue
             if op in (FILL, VERIFY, ROLLBACK):
                 self._in_step(ints[0])
                 ints = ints[1:]
@@ -411,3 +415,43 @@ class Follower(Engine):
                 self.drafter.taps = [layer for r, layer in zip(ints[::2], ints[1::2]) if r == rank]
             else:
                 raise MlxSpecError(f"unknown order {op} from rank 0")
+
+
+class SplitTarget:
+    """The target split over the processes mlx.launch started, its ranks connected: rank 0 (the
+    leader) runs engines over it, the others follow them."""
+
+    def __init__(self, path, dtype, sharding: str, rank_timeout: Optional[float] = None):
+        from .models.target import load_target
+
+        group = init_group(sharding)
+        self.target = load_target(path, dtype, shard=lambda model, config: shard_model(model, config, sharding, group))
+        self.leader = group.rank() == 0
+        self.channel = Channel.connect(group, self.target,
+                                       Watchdog(rank_timeout or RANK_TIMEOUT) if self.leader else None)
+
+    def engine(self, drafter, **settings) -> SplitEngine:
+        """Rank 0's engine; one refused (MlxSpecError) lets the others go first."""
+        try:
+            return SplitEngine(self.target, drafter, self.channel, **settings)
+        except MlxSpecError:
+            try:
+                self.close()
+            except MlxSpecError:
+                pass   # they ended already (they refused the same settings): this rank's reason stands
+            raise
+
+    def follow(self, plain: Optional[Callable[[List[int]], None]] = None, **settings) -> None:
+        """Another rank: run rank 0's orders (with the engine settings rank 0 has) until it is
+        done; rank 0 gone or out of step: the process ends with status 1."""
+        try:
+            Follower(self.target, self.channel, **settings).follow(plain)
+        except RuntimeError:
+            sys.exit(1)   # rank 0 is gone: it says why
+        except MlxSpecError as e:
+            print(f"mlx-spec: rank {self.channel.group.rank()}: {e}", file=sys.stderr)
+            sys.exit(1)
+
+    def close(self) -> None:
+        """Rank 0: let the others go."""
+        self.channel.send(STOP)

@@ -136,6 +136,29 @@ def test_cli_generate_over_two_ranks(chat_model, tmp_path):
     assert ranks.follower_output == ("", "")   # only rank 0 prints
 
 
+@pytest.mark.parametrize("temp", ["0", "1"])
+def test_bench_over_two_ranks(temp, chat_model, tmp_path):
+    """`mlx-spec bench --sharding tensor`: mlx-lm's decoding of the split target (on both ranks,
+    ordered by rank 0) against each source over it; every output identical to it."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ["Count to ten", "a b c a b c a b c"]))
+    out = tmp_path / "bench.json"
+    args = cli("bench", "--model", str(chat_model), "--sharding", "tensor", "--methods", "none,lookup",
+               "--prompts", str(prompts), "-m", "24", "--repeats", "1", "--temp", temp, "--json", str(out))
+    with Ranks(args, tmp_path) as ranks:
+        rc, stdout, err = ranks.wait()
+    assert rc == 0, err[-2000:]
+    assert ranks.procs[1].returncode == 0, ranks.follower_output[1][-2000:]
+    assert ranks.follower_output[0] == ""
+    result = json.loads(out.read_text())
+    records = result["records"]
+    assert sorted({r["method"] for r in records}) == ["lookup", "none"]
+    assert len(records) == 4 and all(r["identical"] for r in records), records
+    assert all(r["generated_tokens"] == r["baseline_tokens"] > 0 for r in records)
+    assert result["meta"]["sharding"] == "tensor" and result["meta"]["ranks"] == 2
+    assert "lookup" in stdout
+
+
 def test_serve_over_two_ranks(chat_model, tmp_path):
     """`mlx-spec serve --sharding tensor`: rank 0 serves (one request at a time) what one process
     generates; SIGTERM stops it, and rank 1 ends with it."""
@@ -253,6 +276,20 @@ def test_refusals_before_the_first_token(tmp_path):
     assert channel.broken
     with pytest.raises(RanksLost, match="lost a rank earlier"):
         list(engine.generate([1, 2, 3], max_tokens=2))
+    # ... but a pass that broke because a rank was lost says that, not "interrupted".
+    engine.in_pass = True
+    engine.reset()
+
+    # bench over a split target times one generation at a time, by the seeded rule.
+    from click.testing import CliRunner
+
+    from mlx_spec.cli import main as mlx_spec_cli
+
+    for flags, line in [(["--sharding", "tensor", "--concurrency", "2"], "drop --concurrency"),
+                        (["--sharding", "tensor", "--residual-sampling"], "drop --concurrency and --residual"),
+                        (["--rank-timeout", "5"], "give --sharding too")]:
+        result = CliRunner().invoke(mlx_spec_cli, ["bench", *flags])
+        assert result.exit_code == 1 and line in result.output and "Traceback" not in result.output
 
     # A follower checks it holds what rank 0's cache holds.
     from mlx_spec.distributed import Follower

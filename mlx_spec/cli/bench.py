@@ -4,7 +4,7 @@ import click
 
 from ..drafters import DRAFTERS
 from ..models.target import DTYPES
-from .common import echo_err, cache_options, reports_errors, source_defaults
+from .common import echo_err, cache_options, reports_errors, sharding_options, source_defaults
 
 
 @click.command("bench", short_help="Time draft methods against plain mlx-lm, per prompt category.")
@@ -52,14 +52,19 @@ from .common import echo_err, cache_options, reports_errors, source_defaults
 @click.option("--markdown", "markdown_path", default=None, help="Write the table as Markdown here.")
 @click.option("--plot", "plot_path", default=None, help="Write a PNG plot here (needs matplotlib).")
 @cache_options
+@sharding_options
 @reports_errors
 def bench(model_path, revision, dtype, prompts, categories, methods, draft_models, num_draft_tokens,
           tree_budget, tree_topk, exit_layer, suffix_memory, max_tokens, repeats, concurrency, temp, top_p, seed, stop_early, adaptive,
-          residual, json_path, markdown_path, plot_path, max_kv_size, kv_bits, kv_group_size, quantized_kv_start):
+          residual, json_path, markdown_path, plot_path, max_kv_size, kv_bits, kv_group_size, quantized_kv_start,
+          sharding, rank_timeout):
     """Time draft methods side by side with plain mlx_lm.stream_generate (--concurrency N: several
-    prompts at once, batched, against mlx-lm's batched generation)."""
+    prompts at once, batched, against mlx-lm's batched generation; --sharding: over a target
+    split across the processes mlx.launch starts, against mlx-lm's decoding of the same split
+    target, the two runs of a pair one after the other; rank 0 prints)."""
     from .. import bench as harness
     from ..cache import KVQuantization
+    from ..distributed import SplitTarget
     from ..api import draft_model_path
     from ..api import model_path as resolve_model
     from ..drafters import draft_tokens, make_drafter, source_options
@@ -86,8 +91,14 @@ def bench(model_path, revision, dtype, prompts, categories, methods, draft_model
             paths[method] = path
         else:
             paths.update({name: spec for name in names})
+    if sharding and (concurrency or residual):
+        raise MlxSpecError("--sharding times one generation at a time, each drawn by the seeded rule: "
+                           "drop --concurrency and --residual-sampling")
+    if rank_timeout is not None and not sharding:
+        raise MlxSpecError("--rank-timeout is for a split target: give --sharding too")
     items = harness.load_prompts(prompts, categories)
-    target = load_target(resolve_model(model_path, revision), dtype)
+    split = SplitTarget(resolve_model(model_path, revision), dtype, sharding, rank_timeout) if sharding else None
+    target = split.target if split else load_target(resolve_model(model_path, revision), dtype)
     sampling = SamplingParams(temp=temp, top_p=top_p).check(target.vocab_size)
     memory = None if suffix_memory == "off" else SuffixMemory(
         Path(suffix_memory).expanduser(), vocabulary_hash(target.tokenizer), learn_now=False)
@@ -98,6 +109,10 @@ def bench(model_path, revision, dtype, prompts, categories, methods, draft_model
         cache_flags["max_kv_size"] = max_kv_size
     if cache_flags and concurrency:
         raise MlxSpecError("--concurrency batches plain KV caches: drop --kv-bits and --max-kv-size")
+    if split and not split.leader:   # this rank runs rank 0's passes, then ends quietly
+        split.follow(harness.follow_baseline(target, harness.baseline_sampler(sampling, seed), cache_flags),
+                     kv_quantization=kv_quantization, max_kv_size=max_kv_size)
+        return
     engines, lengths = {}, {}
     for name in names:
         lengths[name] = draft_tokens(name, num_draft_tokens)
@@ -106,9 +121,10 @@ def bench(model_path, revision, dtype, prompts, categories, methods, draft_model
         drafter = make_drafter(name, target, source_options(
             name, draft_model=draft_model_path(name, paths.get(name)), dtype=dtype,
             **{k: v for k, v in given.items() if k in DRAFTERS[name].options.names()}))
-        engines[name] = Engine(target, drafter, num_draft_tokens=lengths[name], sampling=sampling, seed=seed,
-                               residual=residual, adaptive=adaptive, stop_early=stop_early,
-                               kv_quantization=kv_quantization, max_kv_size=max_kv_size)
+        settings = dict(num_draft_tokens=lengths[name], sampling=sampling, seed=seed, residual=residual,
+                        adaptive=adaptive, stop_early=stop_early, kv_quantization=kv_quantization,
+                        max_kv_size=max_kv_size)
+        engines[name] = split.engine(drafter, **settings) if split else Engine(target, drafter, **settings)
     if not engines:
         raise MlxSpecError("--methods names no method")
 
@@ -119,13 +135,17 @@ def bench(model_path, revision, dtype, prompts, categories, methods, draft_model
                                              concurrency, progress=bar.update)
         else:
             records = harness.run_bench(target, engines, items, max_tokens, repeats, sampling, seed,
-                                        progress=bar.update, residual=residual, cache_flags=cache_flags)
+                                        progress=bar.update, residual=residual, cache_flags=cache_flags,
+                                        channel=split.channel if split else None)
+    if split:
+        split.close()
     if memory is not None:
         memory.save()
     rows = harness.summarize(records)
     meta = harness.machine_info(target, {name: drafter_used(name, target, paths.get(name)) for name in names})
     meta.update(max_tokens=max_tokens, repeats=repeats, temp=temp, num_draft_tokens=lengths,
-                concurrency=concurrency or None,
+                concurrency=concurrency or None, sharding=sharding,
+                ranks=split.channel.group.size() if split else None,
                 sampling_rule="residual" if residual else "seeded", adaptive=adaptive, stop_early=stop_early,
                 tree_budget=tree_budget, tree_topk=tree_topk, exit_layer=exit_layer,
                 suffix_memory=suffix_memory if memory is not None else None, **cache_flags)

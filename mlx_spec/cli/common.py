@@ -90,6 +90,15 @@ def model_options(f):
         click.option("--residual-sampling", is_flag=True,
                      help="Accept sampled drafts by the residual rule (may accept more; the output for a "
                           "seed then depends on the draft source and timing)."),
+    ]
+    for option in reversed(options):
+        f = option(f)
+    return sharding_options(cache_options(f))
+
+
+def sharding_options(f):
+    """The target split over the processes mlx.launch starts (api.load's argument names)."""
+    options = [
         click.option("--sharding", type=click.Choice(["tensor", "pipeline"]), default=None,
                      help="Split the target over the processes mlx.launch starts (mlx-lm's sharding: "
                           "tensor parallel, or pipeline stages); rank 0 drafts and prints."),
@@ -99,7 +108,7 @@ def model_options(f):
     ]
     for option in reversed(options):
         f = option(f)
-    return cache_options(f)
+    return f
 
 
 def reports_errors(f):
