@@ -57,6 +57,30 @@ def test_conversations_switched_in_and_out_stay_lossless(method, tmp_path):
     assert stats.prompt_cached >= len(b + replies["b"])
 
 
+def test_a_stored_prefix_serves_every_prompt_that_branches_off_it(tmp_path):
+    """Prompts sharing a stored conversation's beginning (one system prompt, other questions)
+    each reuse it, and the conversation itself stays whole for its next turn."""
+    target = eagle_target()
+    engine = Engine(target, LookupDrafter(), num_draft_tokens=3, sessions=True)
+    other = Engine(target, LookupDrafter(), num_draft_tokens=3, sessions=True)   # a second batch row
+    sessions = SessionCache(engine, max_sessions=4)
+    system = [1, 5, 7, 9, 11, 13, 2]
+    first = system + [4, 4]
+    sessions.prepare(first)
+    reply, _ = run(engine, first, MAX_TOKENS)
+    sessions.keep(engine.detach())
+    for row, question in ((engine, [6, 3]), (other, [8, 8, 3])):
+        sessions.prepare(system + question, row)
+        tokens, stats = run(row, system + question, MAX_TOKENS)
+        assert stats.prompt_cached == len(system)
+        assert tokens == plain_greedy(target.model, system + question, MAX_TOKENS)
+    history = first + reply + [2, 7]
+    sessions.prepare(history)
+    tokens, stats = run(engine, history, MAX_TOKENS)
+    assert stats.prompt_cached >= len(first + reply) - 1
+    assert tokens == plain_greedy(target.model, history, MAX_TOKENS)
+
+
 def test_the_cache_keeps_within_its_bounds(tmp_path):
     target = eagle_target()
     engine = Engine(target, drafter("eagle", target, tmp_path), num_draft_tokens=3, sessions=True)

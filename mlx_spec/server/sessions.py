@@ -3,10 +3,12 @@ ones (engine.Session: the target's cache, its tokens, the drafter's features), b
 and bytes as mlx_lm.server's `--prompt-cache-size` / `--prompt-cache-bytes` are.
 
 Before each request the conversation that shares the longest prefix with its prompt becomes
-the engine's; the one it replaces is kept. Sessions move, they are not copied, except when a
-prompt branches off the current conversation before its end (the shared part is then reused
-and a copy keeps the rest). Rollback after speculation happens inside the engine, so a session
-holds exactly the tokens it says it holds."""
+the engine's; the one it replaces is kept. A conversation the prompt continues moves into the
+engine; one the prompt branches off before its end (another question after the same system
+prompt, a regenerated turn) is copied, so that it stays for the requests still to come: under
+batching several rows at once start from one stored prefix, as mlx_lm.server's trie of caches
+lets them. Rollback after speculation happens inside the engine, so a session holds exactly
+the tokens it says it holds."""
 
 from typing import List, Optional
 
@@ -36,7 +38,10 @@ class SessionCache:
             if live < len(engine.cached_tokens):   # the prompt branches off: keep the rest too
                 self._store(engine.copy_session())
             return
-        session = self.stored.pop(best)
+        branches = shared[best] < len(self.stored[best].tokens)
+        session = self.stored[best].copy() if branches else self.stored.pop(best)
+        if branches:   # the copy is the most recently used now
+            self.stored.append(self.stored.pop(best))
         self._store(engine.detach())
         engine.attach(session)
 
