@@ -56,8 +56,9 @@ MLX_LM = "import mlx_spec, sys; sys.argv = ['mlx_lm.server', *sys.argv[1:]]; fro
 
 
 def load_prompts(limit):
+    """[(prompt, category)] of the first `limit` held-out prompts."""
     rows = [json.loads(line) for line in PROMPTS.read_text().splitlines() if line.strip()]
-    return [row["prompt"] if "prompt" in row else row["turns"][0] for row in rows][:limit]
+    return [(row["prompt"] if "prompt" in row else row["turns"][0], row["category"]) for row in rows][:limit]
 
 
 def free_port():
@@ -301,7 +302,7 @@ def summarize(config, concurrency, level, own_c1, mlx_lm_c1):
 
 def c1_texts(run):
     """prompt index -> text of the concurrency-1 level's first request for it (None: no such level)."""
-    level = run["levels"].get(1) if run else None
+    level = run["levels"].get("1") if run else None
     if level is None:
         return None
     texts = {}
@@ -309,6 +310,16 @@ def c1_texts(run):
         if not r["error"] and i not in texts:
             texts[i] = r["text"]
     return texts
+
+
+def category_rates(level, categories):
+    """category -> completion tokens / request seconds (TTFT included) of its requests in one level."""
+    tokens, seconds = {}, {}
+    for r, i in zip(level["results"], level["jobs"]):
+        if not r["error"] and r["total"]:
+            tokens[categories[i]] = tokens.get(categories[i], 0) + r["tokens"]
+            seconds[categories[i]] = seconds.get(categories[i], 0) + r["total"]
+    return {c: tokens[c] / seconds[c] for c in tokens}
 
 
 def interrupt(signum, frame):
@@ -336,7 +347,16 @@ def main():
     parser.add_argument("--cold", action="store_true",
                         help="a fresh server for each level: no prompt cached by an earlier level (batching alone)")
     parser.add_argument("--json", default=None, help="write every request's result here")
+    parser.add_argument("--report", default=None, metavar="JSON",
+                        help="print the tables of an earlier run's --json file (runs nothing)")
     args = parser.parse_args()
+    if args.report:
+        data = json.loads(Path(args.report).read_text())
+        if "categories" not in data:   # files written before categories were stored
+            by_prompt = dict(load_prompts(None))
+            data["categories"] = [by_prompt.get(p) for p in data["prompts"]]
+        report(data)
+        return
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
     configs = args.configs.split(",")
     signal.signal(signal.SIGTERM, interrupt)   # a SIGTERM here stops the servers too, as Ctrl-C does
@@ -347,16 +367,29 @@ def main():
     runs = {}
     for config in configs:
         try:
-            runs[config] = run_config(config, model_dir, prompts, args)
+            runs[config] = run_config(config, model_dir, [p for p, _ in prompts], args)
         except RuntimeError as e:   # a server that did not come up: report it, measure the others
             print(e, file=sys.stderr)
     configs = [config for config in configs if config in runs]
 
+    data = dict(args=vars(args), model_dir=str(model_dir), prompts=[p for p, _ in prompts],
+                categories=[c for _, c in prompts], summary=None,
+                runs={config: dict(model=run["model"], levels={str(c): level for c, level in run["levels"].items()})
+                      for config, run in runs.items()})
+    data["summary"] = report(data)
+    if args.json:
+        Path(args.json).write_text(json.dumps(data, indent=1))
+
+
+def report(data):
+    """Print the tables of one run (as --json writes it) and return its summary rows."""
+    args, runs = argparse.Namespace(**data["args"]), data["runs"]
+    levels = [str(c) for c in args.concurrency]
     mlx_lm_c1 = c1_texts(runs.get("mlx_lm"))
-    rows = [summarize(config, c, runs[config]["levels"][c], c1_texts(runs[config]), mlx_lm_c1)
-            for config in configs for c in args.concurrency]
-    print(f"{len(prompts)} prompts x {args.repeats}, max_tokens {args.max_tokens}, temperature {args.temperature}; "
-          f"weights {model_dir}. mlx_lm = mlx_lm.server, batching at its defaults"
+    rows = [summarize(config, int(c), run["levels"][c], c1_texts(run), mlx_lm_c1)
+            for config, run in runs.items() for c in levels]
+    print(f"{len(data['prompts'])} prompts x {args.repeats}, max_tokens {args.max_tokens}, temperature {args.temperature}; "
+          f"weights {data['model_dir']}. mlx_lm = mlx_lm.server, batching at its defaults"
           f"{(' (off: requests carry a seed)' if args.seed_mlx_lm else ' (requests carry no seed)') if args.temperature > 0 else ''}"
           f"{'; a fresh server per level (--cold)' if args.cold else ''}"
           "; others = mlx-spec serve --draft X (batched, --max-batch at its default), X/N: --max-batch N "
@@ -371,11 +404,22 @@ def main():
         if row["usage_missing"]:
             print(f"\n{row['config']} x{row['concurrency']}: {row['usage_missing']} replies without usage "
                   "(tokens counted as content deltas)")
-    if args.json:
-        Path(args.json).write_text(json.dumps(dict(
-            args=vars(args), model_dir=str(model_dir), prompts=prompts, summary=rows,
-            runs={config: dict(model=run["model"], levels={str(c): level for c, level in run["levels"].items()})
-                  for config, run in runs.items()}), indent=1))
+    categories = data.get("categories")
+    if categories and "mlx_lm" in runs:
+        # Where drafts are good shows per category: tokens per request-second against mlx_lm.server's
+        # at the same level (requests overlap above one client, so these are rough there).
+        names = sorted(set(categories))
+        print("\nPer category, tokens per request-second / mlx_lm.server's at the same level:\n")
+        print("| config | clients | " + " | ".join(names) + " |")
+        print("|---|---|" + "---|" * len(names))
+        for config, run in runs.items():
+            if config == "mlx_lm":
+                continue
+            for c in levels:
+                base, rates = (category_rates(r["levels"][c], categories) for r in (runs["mlx_lm"], run))
+                print(f"| {config} | {c} | " + " | ".join(
+                    fmt(rates[n] / base[n] if n in rates and n in base else None, ".2f") for n in names) + " |")
+    return rows
 
 
 if __name__ == "__main__":
