@@ -12,7 +12,8 @@ passes over all of them on a ragged cache of their own) and then join the batch;
 removed row leaves it with its cache as a KVCache again (a server keeps it as the
 conversation's). How wide the pass is gets decided for the batch (the expected tokens of each
 row's drafts against the measured cost of rows x width tokens), and each row's policy is
-charged its share of the pass: the wider the batch, the less a draft's widening pays."""
+charged its share of the pass (`shares`): the plain pass split evenly, the widening by drafts,
+so that a row drafting alone in a wide batch pays for every row's padding."""
 
 import time
 from dataclasses import dataclass, field
@@ -206,6 +207,18 @@ class BatchEngine:
                 best, best_rate = width, rate
         return best
 
+    def shares(self, widths: List[int], width: int) -> List[float]:
+        """Each row's share of a pass of `width` over rows of `widths` (1 + its drafts), as its
+        policy counts its verification: the plain pass split evenly, the widening charged to
+        the rows that drafted, by their drafts. A row that widens the pass alone pays for the
+        padding of every other row, which is what its drafts cost the batch; split evenly, it
+        would see a widening B times cheaper than it is and draft where it does not pay."""
+        extra = sum(w - 1 for w in widths)
+        if not extra:
+            return [1 / len(widths)] * len(widths)
+        plain = min(1.0, self.pass_cost(len(widths)) / self.pass_cost(len(widths) * width))
+        return [plain / len(widths) + (1 - plain) * (w - 1) / extra for w in widths]
+
     def _join(self, row: Row) -> None:
         """Move the prefilled row's cache into the batch's."""
         engine = row.engine
@@ -247,11 +260,11 @@ class BatchEngine:
             batch.lengths = [n - (width - w) for n, w in zip(batch.lengths, widths)]
         seconds = time.perf_counter() - tic
         self.pass_cost.record(len(rows) * width, seconds)
-        seconds /= len(rows)
+        shares = self.shares(widths, width)
         for b, (row, (context, drafts, _)) in enumerate(zip(rows, inputs)):
             n_accepted, next_token = decisions[b].tolist()
             # Gathered: a session keeps them, and a slice would keep every row's alive.
             own = {layer: mx.take(taps[layer], mx.array([b]), axis=0) for layer in row.engine.drafter.taps}
             row.verdict = row.engine.settle_chain(context, drafts.tolist(), n_accepted, next_token, own)
-            row.verdict.seconds = seconds
+            row.verdict.seconds = seconds * shares[b]
             row.pending = None

@@ -245,3 +245,23 @@ def test_dflash_and_medusa_rows_match_mlx_lm(tmp_path):
         for i, (prompt, _) in enumerate(requests):
             assert results[i][0] == plain_greedy(target.model, prompt, 20), (type(drafter).__name__, i)
         assert sum(results[i][1].proposed for i in results) > 0
+
+
+def test_a_row_that_widens_the_pass_alone_is_charged_the_widening(target):
+    """A pass's seconds reach the rows' policies in shares that add up to the pass: split
+    evenly when no row drafted; when one did, the widening (the padding of every other row) is
+    its own, so that it does not draft where that does not pay the batch."""
+    batch = BatchEngine([Engine(target) for _ in range(4)])
+    for _ in range(3):   # a pass costs 10 ms plus 1 ms a token
+        for tokens in (4, 8, 12, 20):
+            batch.pass_cost.record(tokens, 0.010 + 0.001 * tokens)
+    assert batch.shares([1, 1, 1, 1], 1) == pytest.approx([0.25] * 4)
+    alone = batch.shares([5, 1, 1, 1], 5)
+    assert sum(alone) == pytest.approx(1.0)
+    plain = batch.pass_cost(4) / batch.pass_cost(20)   # the plain pass's part of one 5 tokens wide
+    assert plain == pytest.approx(0.014 / 0.030, rel=0.02)
+    assert alone[0] == pytest.approx(plain / 4 + (1 - plain))
+    assert alone[1:] == pytest.approx([plain / 4] * 3)
+    together = batch.shares([5, 5, 5, 5], 5)   # every row widened: each pays its part
+    assert together == pytest.approx([0.25] * 4)
+    assert alone[0] * 0.030 - 0.014 / 4 > 3 * (together[0] * 0.030 - 0.014 / 4)
