@@ -26,6 +26,19 @@ if [ "$DATA_TEMP" != 0 ] || [ "$DATA_SEED" != 0 ]; then
   DATA="$WORK/data-t$DATA_TEMP-s$DATA_SEED" FEATURES="$WORK/features-t$DATA_TEMP-s$DATA_SEED"
 fi
 
+# The answers of 2026-12-04 are committed (ANSWERS, gzipped JSONL): a fresh machine unpacks them
+# instead of answering again (~50 CPU-minutes); `train data` then finds every prompt answered.
+ANSWERS=benchmarks/training/answers
+unpack() {   # unpack NAME DIR
+  for split in train heldout; do
+    if [ -f "$ANSWERS/$1/$split.jsonl.gz" ] && [ ! -f "$2/$split.jsonl" ]; then
+      mkdir -p "$2" && gunzip -c "$ANSWERS/$1/$split.jsonl.gz" > "$2/$split.jsonl"
+    fi
+  done
+}
+unpack greedy "$WORK/data"
+unpack t0.7-s1 "$WORK/data-t0.7-s1"
+
 LABELS=${LABELS:-hard}
 if [ "${DATA_MIX:-0}" = 1 ]; then
   $BIN/mlx-spec train data --out "$WORK/data" --max-tokens 160   # resumable
