@@ -363,17 +363,15 @@ def main():
 
     from mlx_spec.convert.default import default_model_path   # after argparse: --help stays quick
     model_dir = default_model_path(dtype="float32").resolve()
-    prompts = load_prompts(args.limit)
+    prompts, categories = zip(*load_prompts(args.limit))
     runs = {}
     for config in configs:
         try:
-            runs[config] = run_config(config, model_dir, [p for p, _ in prompts], args)
+            runs[config] = run_config(config, model_dir, prompts, args)
         except RuntimeError as e:   # a server that did not come up: report it, measure the others
             print(e, file=sys.stderr)
-    configs = [config for config in configs if config in runs]
 
-    data = dict(args=vars(args), model_dir=str(model_dir), prompts=[p for p, _ in prompts],
-                categories=[c for _, c in prompts], summary=None,
+    data = dict(args=vars(args), model_dir=str(model_dir), prompts=prompts, categories=categories, summary=None,
                 runs={config: dict(model=run["model"], levels={str(c): level for c, level in run["levels"].items()})
                       for config, run in runs.items()})
     data["summary"] = report(data)
