@@ -103,6 +103,23 @@ def test_features_of_a_padded_batch_equal_one_sequence_at_a_time():
         np.testing.assert_allclose(np.array(features), np.array(alone), rtol=1e-4, atol=1e-4)
 
 
+def test_stored_features_are_found_by_their_tokens_whatever_the_order(tmp_path, monkeypatch):
+    target = tiny_target("llama", vocab_size=VOCAB, seed=3, num_layers=4, hidden_size=32)
+    rng = np.random.default_rng(0)
+    tokens = [rng.integers(1, VOCAB, n).tolist() for n in (5, 17, 9)]
+    store = FeatureStore(target, [0, 2], tmp_path)
+    store.prepare([TrainSequence(i, t, 3) for i, t in enumerate(tokens)])
+    expected = [np.array(store.get(TrainSequence(i, t, 3))) for i, t in enumerate(tokens)]
+    # The data grew at the front (a merged greedy + sampled set): every index moved.
+    moved = [TrainSequence(i + 1, t, 3) for i, t in enumerate(tokens)]
+    new = TrainSequence(0, rng.integers(1, VOCAB, 7).tolist(), 3)
+    later = FeatureStore(target, [0, 2], tmp_path)
+    assert [later.has(s) for s in moved] == [True] * 3 and not later.has(new)
+    monkeypatch.setattr(later, "compute", lambda seqs: pytest.fail("recomputed a stored sequence"))
+    for seq, features in zip(moved, expected):
+        np.testing.assert_array_equal(np.array(later.get(seq)), features)
+
+
 def test_training_time_test_equals_chained_drafting(target):
     """Step j at row t of the TTT graph = the j-th own step of a chain rooted at row t."""
     mx.random.seed(1)

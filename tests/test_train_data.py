@@ -1,22 +1,33 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 from tiny import tiny_chat_model_dir
 
 from mlx_spec.bench_suite import SUITE
-from mlx_spec.train.data import build_prompts, is_heldout, read_split
+from mlx_spec.train import data as train_data
+from mlx_spec.train.data import build_prompts, is_heldout, read_split, split_of
 
 
 def test_prompts_are_assembled_offline_and_stable():
     prompts = build_prompts()
     assert len(prompts) > 800
-    assert {p["source"] for p in prompts} == {"instructions", "arithmetic", "code", "summarize", "rewrite"}
+    assert {p["source"] for p in prompts} == {"instructions", "arithmetic", "code", "summarize", "rewrite", "chat"}
     assert len({p["id"] for p in prompts}) == len(prompts)
     assert [p["id"] for p in build_prompts()] == [p["id"] for p in prompts]   # same seed, same order
     assert not {p["prompt"] for p in prompts} & {s["prompt"] for s in SUITE}   # never the bench prompts
     heldout = sum(is_heldout(p["id"]) for p in prompts)
     assert 0.02 * len(prompts) < heldout < 0.09 * len(prompts)
+    # Second turns follow a first turn of the set and share its split; no turn of a held-out
+    # bench conversation is a training prompt.
+    by_id = {p["id"]: p for p in prompts}
+    seconds = [p for p in prompts if "follows" in p]
+    assert len(seconds) > 300 and all(p["follows"] in by_id and "follows" not in by_id[p["follows"]] for p in seconds)
+    assert all(split_of(p) == split_of(by_id[p["follows"]]) for p in seconds)
+    bench = [json.loads(line) for line in open(Path(__file__).parents[1] / "benchmarks" / "heldout_prompts.jsonl")]
+    held_turns = {t for q in bench for t in q.get("turns", [q.get("prompt")])}
+    assert not {p["prompt"] for p in prompts if split_of(p) == "train"} & held_turns
 
 
 def test_train_data_answers_with_the_target_and_resumes(tmp_path):
@@ -38,3 +49,21 @@ def test_train_data_answers_with_the_target_and_resumes(tmp_path):
     for row in rows:
         assert 1 <= len(row["response_tokens"]) <= 6 and row["prompt_tokens"]
         assert json.dumps(row)
+
+
+def test_a_second_turn_is_answered_after_its_first_with_that_answer_as_context(tmp_path, monkeypatch):
+    from mlx_spec.models.target import load_target
+
+    target = load_target(tiny_chat_model_dir(tmp_path / "model"), "float32")
+    first = {"id": "chat-a", "source": "chat", "prompt": "Give me a simple recipe for pancakes."}
+    second = {"id": "chat-a-2", "source": "chat", "prompt": "Can you make that shorter?", "follows": "chat-a"}
+    orphan = {"id": "chat-b-2", "source": "chat", "prompt": "Can you make that shorter?", "follows": "chat-b"}
+    monkeypatch.setattr(train_data, "build_prompts", lambda seed=0: [second, orphan, first])
+    counts = train_data.generate_data(target, tmp_path / "data", max_tokens=5, batch_size=4)
+    assert (counts["written"], counts["waiting"]) == (2, 1)   # chat-b was never asked
+    rows = {r["id"]: r for r in read_split(tmp_path / "data", split_of(first))}
+    tokenizer = target.tokenizer
+    context = [{"role": "user", "content": first["prompt"]}, {"role": "assistant", "content": rows["chat-a"]["response"]},
+               {"role": "user", "content": second["prompt"]}]
+    assert rows["chat-a-2"]["prompt_tokens"] == list(tokenizer.apply_chat_template(context, add_generation_prompt=True))
+    assert train_data.generate_data(target, tmp_path / "data", max_tokens=5, batch_size=4)["written"] == 0

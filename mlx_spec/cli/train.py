@@ -41,6 +41,8 @@ def data(model_path, out_dir, limit, max_tokens, batch_size, temp, dtype, seed):
                                temp=temp, seed=seed, progress=bar.update)
     echo_err(f"{counts['written']} written, {counts['skipped']} already there, {counts['total']} prompts -> "
              f"{out_dir}: {counts['train']} in train.jsonl, {counts['heldout']} in heldout.jsonl")
+    if counts["waiting"]:
+        echo_err(f"{counts['waiting']} second turns wait for their first turn (beyond --limit)")
     if not counts["heldout"]:
         echo_err("heldout.jsonl is not written: a hash of each prompt's id puts ~5% of the prompts there, "
                  "and none of these fell in it (use more prompts, or a larger --limit)")

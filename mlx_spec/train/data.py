@@ -3,14 +3,17 @@ TARGET itself (a drafter learns to predict what the target says, not what a data
 
 Sources (never a public benchmark set): instructions written here (templates x topics), code
 and docstrings of the installed Python standard library, generated arithmetic word problems,
-and standard-library documentation to summarize or rewrite. Responses are generated in batches
-(mlx-lm's batch_generate), appended to JSONL as they come (resumable), and a stable hash of each
-prompt's id puts ~5% of them in a held-out split."""
+standard-library documentation to summarize or rewrite, and everyday chat requests (templates x
+typed subjects), each with a second turn that follows the target's own first answer. Responses
+are generated in batches (mlx-lm's batch_generate), appended to JSONL as they come (resumable),
+and a stable hash of each prompt's id (a second turn: its first turn's) puts ~5% of them in a
+held-out split."""
 
 import hashlib
 import inspect
 import json
 import random
+import re
 import textwrap
 from pathlib import Path
 from typing import Callable, Dict, Iterator, List, Optional
@@ -39,6 +42,70 @@ WORD_PROBLEMS = [
 STDLIB_MODULES = ["json", "textwrap", "collections", "functools", "itertools", "statistics", "string", "shutil",
                   "pathlib", "argparse", "csv", "datetime", "heapq", "bisect", "random", "difflib", "fractions",
                   "calendar", "copy", "pprint", "queue", "glob", "fnmatch", "base64", "html", "zipfile"]
+
+# Everyday requests, each template with the kind of subject it takes. None is a held-out bench
+# conversation (benchmarks/heldout_prompts.jsonl; tests/test_train_data.py checks).
+CHAT_SUBJECTS = {
+    "dish": ["lentil curry", "banana bread", "fried rice", "pancakes", "a Greek salad", "chicken noodle soup",
+             "guacamole", "vegetable stir-fry", "oatmeal cookies", "mashed potatoes", "a mushroom risotto",
+             "hummus", "a fruit smoothie", "baked salmon", "chili con carne", "a quiche", "garlic bread",
+             "potato salad", "spaghetti carbonara", "a chocolate cake"],
+    "place": ["Lisbon", "a national park", "the seaside", "Tokyo", "a small farm town", "Rome", "a ski resort",
+              "New York", "a desert campsite", "Iceland", "a lake cabin", "Barcelona", "a big music festival",
+              "Kyoto", "the countryside in autumn"],
+    "goal": ["stop procrastinating", "drink more water", "get better at chess", "keep my houseplants alive",
+             "wake up earlier", "read more books", "spend less time on my phone", "make new friends as an adult",
+             "stay calm before an exam", "keep my desk tidy", "learn to touch type", "cook more at home",
+             "save for a new bike", "remember people's names", "run my first marathon", "write every day"],
+    "occasion": ["a rainy Sunday with kids", "a tenth birthday party", "a team lunch at work", "a first date",
+                 "a family reunion", "a long train ride", "a quiet evening at home", "a school fundraiser",
+                 "a farewell gift for a colleague", "a picnic in the park", "a board game night",
+                 "a surprise anniversary"],
+    "person": ["my landlord", "a new neighbour", "my child's teacher", "a former colleague", "my manager",
+               "an old school friend", "a local bakery", "the city library", "my football coach"],
+    "request": ["move our meeting to next week", "borrow a ladder for the weekend", "recommend a good book",
+                "fix a leaking tap", "join a volunteer day", "share the notes from last class",
+                "lower the music after ten at night", "catch up over coffee"],
+    "thing": ["a used car", "a laptop for school", "running shoes", "a tent", "a new phone", "a rice cooker",
+              "an office chair", "a bicycle for commuting", "a winter coat", "a first guitar"],
+    "character": ["a shy robot", "an old lighthouse keeper", "a lost kitten", "a girl who can talk to trees",
+                  "a grumpy wizard", "two rival bakers", "a boy who collects clouds", "a retired astronaut"],
+}
+CHAT_TEMPLATES = [
+    "Give me a simple recipe for {dish}.", "What goes well with {dish} for dinner?",
+    "How long does {dish} keep in the fridge, and how should I store it?",
+    "I am planning a short trip to {place}. What should I bring?", "What should I do on a first visit to {place}?",
+    "How can I {goal}?", "I want to {goal}. Can you give me a plan for the first week?",
+    "Suggest five ideas for {occasion}.", "What should I keep in mind when planning {occasion}?",
+    "Write a short, friendly message to {person} asking them to {request}.",
+    "What should I look for when buying {thing}?", "Is it better to buy {thing} new or second-hand?",
+    "Write a short story about {character}.", "Write a bedtime story for a five-year-old about {character}.",
+]
+FOLLOW_UPS = ["Can you make that shorter?", "Thanks! Can you give me one more example?",
+              "Explain the first point in more detail.", "Can you put that in a numbered list?",
+              "What would you change if I had very little money?", "Which part of that is the most important, and why?",
+              "Can you say that again for a ten-year-old?", "What is a common mistake people make with this?"]
+
+
+def chat_prompts(seed: int = 0) -> List[Dict[str, str]]:
+    """Every chat template with every subject of its kind (first turns)."""
+    rng = random.Random(f"chat-{seed}")
+    prompts = []
+    for i, template in enumerate(CHAT_TEMPLATES):
+        kinds = re.findall(r"{(\w+)}", template)
+        for j, subject in enumerate(CHAT_SUBJECTS[kinds[0]]):
+            values = {kinds[0]: subject}
+            values.update({k: rng.choice(CHAT_SUBJECTS[k]) for k in kinds[1:]})
+            prompts.append({"id": f"chat-{i}-{j}", "source": "chat", "prompt": template.format(**values)})
+    return prompts
+
+
+def second_turns(firsts: List[Dict[str, str]], seed: int = 0) -> List[Dict[str, str]]:
+    """One follow-up for each first turn (`follows`: its id): answered after it, with the
+    target's answer to it as the context."""
+    rng = random.Random(f"second-{seed}")
+    return [{"id": f"{p['id']}-2", "source": p["source"], "prompt": rng.choice(FOLLOW_UPS), "follows": p["id"]}
+            for p in firsts]
 
 
 def _stdlib_objects():
@@ -94,6 +161,9 @@ def build_prompts(seed: int = 0) -> List[Dict[str, str]]:
                             "prompt": f"Summarize the following documentation in a few sentences:\n\n{text}"})
             prompts.append({"id": f"rewrite-{name}", "source": "rewrite",
                             "prompt": f"Rewrite this text in plain, simple English:\n\n{text}"})
+    # Own random streams: the prompts above stay as they were before these sources.
+    firsts = chat_prompts(seed)
+    prompts += firsts + second_turns(firsts + [p for p in prompts if p["source"] == "instructions"], seed)
     seen, unique = set(), []
     for p in prompts:
         if p["id"] not in seen:
@@ -106,6 +176,11 @@ def build_prompts(seed: int = 0) -> List[Dict[str, str]]:
 def is_heldout(prompt_id: str, fraction: float = 0.05) -> bool:
     digest = hashlib.sha256(prompt_id.encode()).digest()
     return int.from_bytes(digest[:4], "little") / 2**32 < fraction
+
+
+def split_of(prompt: Dict[str, str]) -> str:
+    """A second turn goes where its first turn went: its context is that turn's answer."""
+    return "heldout" if is_heldout(prompt.get("follows", prompt["id"])) else "train"
 
 
 def read_split(directory, split: str) -> List[dict]:
@@ -126,31 +201,50 @@ def generate_data(target, out_dir, limit: Optional[int] = None, max_tokens: int 
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    done = {row["id"] for split in ("train", "heldout") for row in read_split(out_dir, split)}
+    answered = {row["id"]: row for split in ("train", "heldout") for row in read_split(out_dir, split)}
     prompts = build_prompts(seed)[:limit]
     # Similar lengths share a batch: batch_generate left-pads every prompt to the longest.
-    todo = sorted((p for p in prompts if p["id"] not in done), key=lambda p: len(p["prompt"]))
+    todo = sorted((p for p in prompts if p["id"] not in answered), key=lambda p: len(p["prompt"]))
     mx.random.seed(seed)
     tokenizer = target.tokenizer
-    counts = {"skipped": len(prompts) - len(todo), "written": 0}
+    counts = {"skipped": len(prompts) - len(todo), "written": 0, "waiting": 0}
     if progress:
         progress(counts["skipped"])
-    for start in range(0, len(todo), batch_size):
-        batch = todo[start:start + batch_size]
-        encoded = [tokenizer.apply_chat_template([{"role": "user", "content": p["prompt"]}], add_generation_prompt=True)
-                   for p in batch]
-        result = batch_generate(target.model, tokenizer, encoded, max_tokens=max_tokens,
-                                sampler=make_sampler(temp), return_token_ids=True,
-                                completion_batch_size=batch_size, prefill_batch_size=min(batch_size, 8))
-        for p, prompt_tokens, text, response_tokens in zip(batch, encoded, result.texts, result.token_ids):
-            row = dict(p, prompt_tokens=list(prompt_tokens), response=text,
-                       response_tokens=[int(t) for t in response_tokens])
-            split = "heldout" if is_heldout(p["id"]) else "train"
-            with open(out_dir / f"{split}.jsonl", "a") as f:
-                f.write(json.dumps(row) + "\n")
-            counts["written"] += 1
-        if progress:
-            progress(len(batch))
+
+    def messages(p):   # None: a second turn whose first turn is not answered (cut by --limit)
+        first = answered.get(p["follows"]) if "follows" in p else None
+        if "follows" in p and first is None:
+            return None
+        context = [] if first is None else [{"role": "user", "content": first["prompt"]},
+                                            {"role": "assistant", "content": first["response"]}]
+        return context + [{"role": "user", "content": p["prompt"]}]
+
+    def context_length(p):
+        first = answered.get(p["follows"], {})
+        return len(first.get("prompt", "")) + len(first.get("response", ""))
+
+    # Second turns after every first turn: they need its answer (and are sorted by its length).
+    for second in (False, True):
+        turn = [p for p in todo if ("follows" in p) == second]
+        turn = sorted(turn, key=context_length) if second else turn
+        for start in range(0, len(turn), batch_size):
+            batch = [(p, m) for p in turn[start:start + batch_size] if (m := messages(p)) is not None]
+            counts["waiting"] += len(turn[start:start + batch_size]) - len(batch)
+            if batch:
+                encoded = [tokenizer.apply_chat_template(m, add_generation_prompt=True) for _, m in batch]
+                result = batch_generate(target.model, tokenizer, encoded, max_tokens=max_tokens,
+                                        sampler=make_sampler(temp), return_token_ids=True,
+                                        completion_batch_size=batch_size, prefill_batch_size=min(batch_size, 8))
+                for (p, _), prompt_tokens, text, response_tokens in zip(batch, encoded, result.texts,
+                                                                         result.token_ids):
+                    row = dict(p, prompt_tokens=list(prompt_tokens), response=text,
+                               response_tokens=[int(t) for t in response_tokens])
+                    with open(out_dir / f"{split_of(p)}.jsonl", "a") as f:
+                        f.write(json.dumps(row) + "\n")
+                    answered[p["id"]] = row
+                    counts["written"] += 1
+            if progress:
+                progress(len(turn[start:start + batch_size]))
     counts["total"] = len(prompts)
     for split in ("train", "heldout"):
         counts[split] = len(read_split(out_dir, split))

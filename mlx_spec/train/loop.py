@@ -7,6 +7,7 @@ choice made for it (DFlash's anchors) are functions of (seed, s) only, so a run 
 a checkpoint takes exactly the steps an uninterrupted run would have taken."""
 
 import functools
+import hashlib
 import json
 import shutil
 import sys
@@ -116,7 +117,8 @@ def step_rng(seed: int, step: int) -> np.random.Generator:
 class FeatureStore:
     """The target's tapped hidden states of each sequence, concatenated in `taps` order,
     computed once (no gradient) and kept in memory or, with `directory`, on disk (where a later
-    or resumed run finds them)."""
+    or resumed run finds them). Files are named by their tokens, so that grown or reordered data
+    (more answers, greedy and sampled merged) reuses every sequence already computed."""
 
     def __init__(self, target, taps: Sequence[int], directory=None):
         self.target, self.taps = target, list(taps)
@@ -134,7 +136,8 @@ class FeatureStore:
             meta_path.write_text(json.dumps(meta))
 
     def _path(self, seq: TrainSequence) -> Path:
-        return self.directory / f"{seq.index:07d}.safetensors"
+        digest = hashlib.sha256(np.asarray(seq.tokens, np.int32).tobytes()).hexdigest()[:24]
+        return self.directory / f"{digest}.safetensors"
 
     def has(self, seq: TrainSequence) -> bool:
         return seq.index in self.memory or (self.directory is not None and self._path(seq).exists())
