@@ -7,7 +7,9 @@
 # DATA_TEMP=0.7 DATA_SEED=1 answers the prompts by sampling instead (the word problems' numbers
 # change with the seed): new text for drafters already trained on the greedy answers.
 # DATA_MIX=1 trains on both, the greedy and the sampled answers (each prompt twice; the held-out
-# split is by prompt, so it stays held out): what the MTP runs of 2026-12-03 trained on.
+# split is by prompt, so it stays held out): what the MTP runs of 2026-12-03 trained on. Prompts
+# added to `train data` since the committed answers (benchmarks/training/answers/README.md) are
+# answered first; the feature cache is found by tokens, so only new sequences are computed.
 # LABELS=soft (mtp): the target's distribution at each position instead of the data's token.
 # Every run logs its dev tau at 4 drafts every EVAL_EVERY steps (OUT/train_log.jsonl; copy it to
 # benchmarks/training/ and run benchmarks/plot_learning_curves.py).
