@@ -67,3 +67,35 @@ def test_a_second_turn_is_answered_after_its_first_with_that_answer_as_context(t
                {"role": "user", "content": second["prompt"]}]
     assert rows["chat-a-2"]["prompt_tokens"] == list(tokenizer.apply_chat_template(context, add_generation_prompt=True))
     assert train_data.generate_data(target, tmp_path / "data", max_tokens=5, batch_size=4)["written"] == 0
+
+
+def test_fixed_text_rows_are_the_packages_text_tokenized_as_answers(tmp_path, monkeypatch):
+    from mlx_lm.utils import load_tokenizer
+
+    from mlx_spec.train.data import STDLIB_MODULES, TEXT_MODULES
+
+    # The held-out bench's prompts quote STDLIB_MODULES' documentation: never trained on as text.
+    assert not set(TEXT_MODULES) & set(STDLIB_MODULES)
+    model = tiny_chat_model_dir(tmp_path / "model")
+    out = tmp_path / "text"
+    args = [sys.executable, "-m", "mlx_spec.cli", "train", "data", "--fixed-text", "--target", str(model),
+            "--out", str(out), "--limit", "40"]
+    first = subprocess.run(args, capture_output=True, text=True, timeout=600)
+    assert first.returncode == 0, first.stderr
+    assert "40 written, 0 already there, 40 texts" in first.stderr
+    tokenizer = load_tokenizer(model)
+    rows = read_split(out, "train") + read_split(out, "heldout")
+    # A second run keeps what is there and adds the rest.
+    more = {"id": "text-doc-x", "source": "text-doc", "prompt": "What does `x` do?", "response": "It is x."}
+    texts = [{k: r[k] for k in ("id", "source", "prompt", "response")} for r in rows] + [more]
+    monkeypatch.setattr(train_data, "fixed_text", lambda: list(texts))
+    counts = train_data.write_fixed_text(tokenizer, out)
+    assert (counts["written"], counts["skipped"]) == (1, 40)
+    rows = read_split(out, "train") + read_split(out, "heldout")
+    assert len(rows) == 41
+    assert len({r["id"] for r in rows}) == 41 and {r["source"] for r in rows} <= {"text-doc", "text-code"}
+    for row in rows:
+        assert split_of(row) == ("heldout" if row in read_split(out, "heldout") else "train")
+        assert row["response_tokens"] == tokenizer.encode(row["response"], add_special_tokens=False) + [tokenizer.eos_token_id]
+        assert row["prompt_tokens"] == list(tokenizer.apply_chat_template(
+            [{"role": "user", "content": row["prompt"]}], add_generation_prompt=True))

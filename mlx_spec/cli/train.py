@@ -27,14 +27,22 @@ def train():
               help="Target dtype (auto: float32 on the CPU).")
 @click.option("--seed", type=int, default=0, show_default=True,
               help="Order of the prompts (and the sampling noise when --temp > 0).")
+@click.option("--fixed-text", is_flag=True,
+              help="Write installed packages' documentation and code as the answers instead (text the "
+                   "target did not write: train with --labels soft); seconds, not a generation.")
 @reports_errors
-def data(model_path, out_dir, limit, max_tokens, batch_size, temp, dtype, seed):
+def data(model_path, out_dir, limit, max_tokens, batch_size, temp, dtype, seed, fixed_text):
     """Answer assembled prompts with the target; resumable, with a held-out split."""
     from ..api import model_path as resolve_model
     from ..models.target import load_target
-    from ..train.data import build_prompts, generate_data
+    from ..train.data import build_prompts, generate_data, write_fixed_text
 
     target = load_target(resolve_model(model_path), dtype)
+    if fixed_text:
+        counts = write_fixed_text(target.tokenizer, out_dir, limit=limit, seed=seed)
+        echo_err(f"{counts['written']} written, {counts['skipped']} already there, {counts['total']} texts -> "
+                 f"{out_dir}: {counts['train']} in train.jsonl, {counts['heldout']} in heldout.jsonl")
+        return
     total = len(build_prompts(seed)[:limit])
     with click.progressbar(length=total, label="answering", file=sys.stderr) as bar:
         counts = generate_data(target, out_dir, limit=limit, max_tokens=max_tokens, batch_size=batch_size,

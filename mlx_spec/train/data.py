@@ -108,10 +108,29 @@ def second_turns(firsts: List[Dict[str, str]], seed: int = 0) -> List[Dict[str, 
             for p in firsts]
 
 
-def _stdlib_objects():
+# Fixed text (`train data --fixed-text`): the documentation and code of these modules, none of
+# them a source of the prompts above (whose held-out split the bench's prompts come from).
+TEXT_MODULES = ["abc", "ast", "asyncio", "binascii", "bz2", "cmd", "codecs", "colorsys",
+                "concurrent.futures", "configparser", "contextlib", "dataclasses", "decimal", "dis", "doctest",
+                "email.message", "enum", "filecmp", "fileinput", "gettext", "graphlib", "gzip", "hashlib", "hmac",
+                "http.client", "http.server", "imaplib", "importlib", "inspect", "io", "ipaddress", "locale",
+                "logging", "lzma", "mailbox", "mimetypes", "netrc", "numbers", "operator", "optparse", "os",
+                "pickletools", "platform", "plistlib", "poplib", "pstats", "pydoc", "quopri", "re", "reprlib",
+                "sched", "secrets", "selectors", "shlex", "smtplib", "socket", "socketserver", "sqlite3", "ssl",
+                "struct", "subprocess", "symtable", "sysconfig", "tarfile", "tempfile", "threading",
+                "timeit", "tokenize", "trace", "traceback", "tracemalloc", "types", "typing", "unittest",
+                "urllib.parse", "urllib.request", "uuid", "warnings", "wave", "weakref", "xml.dom.minidom",
+                "xml.etree.ElementTree", "zoneinfo", "numpy", "numpy.linalg", "numpy.fft", "numpy.ma",
+                "numpy.polynomial.polynomial", "numpy.random", "click", "mlx_lm.generate", "mlx_lm.models.cache",
+                "mlx_lm.sample_utils", "mlx_lm.tokenizer_utils", "mlx_lm.utils"]
+
+
+def _documented_objects(modules: List[str] = STDLIB_MODULES, methods: bool = False):
+    """Each module, its public functions and classes (and with `methods`, the classes' public
+    methods), defined there (or, with `methods`, in a submodule)."""
     import importlib
 
-    for name in STDLIB_MODULES:
+    for name in modules:
         try:
             module = importlib.import_module(name)
         except ImportError:
@@ -119,9 +138,14 @@ def _stdlib_objects():
         yield name, module
         for attr in sorted(vars(module)):
             obj = getattr(module, attr)
-            if (inspect.isfunction(obj) or inspect.isclass(obj)) and getattr(obj, "__module__", None) == name \
-                    and not attr.startswith("_"):
+            home = getattr(obj, "__module__", None) or ""
+            if (inspect.isfunction(obj) or inspect.isclass(obj)) and not attr.startswith("_") \
+                    and (home == name or methods and home.startswith(name + ".")):
                 yield f"{name}.{attr}", obj
+                if methods and inspect.isclass(obj):
+                    for method in sorted(vars(obj)):
+                        if inspect.isfunction(vars(obj)[method]) and not method.startswith("_"):
+                            yield f"{name}.{attr}.{method}", vars(obj)[method]
 
 
 def _source(obj, limit=1800) -> Optional[str]:
@@ -146,7 +170,7 @@ def build_prompts(seed: int = 0) -> List[Dict[str, str]]:
         template = WORD_PROBLEMS[i % len(WORD_PROBLEMS)]
         values = dict(a=rng.randint(12, 480), b=rng.randint(2, 60), c=rng.randint(2, 12), d=rng.randint(2, 9))
         prompts.append({"id": f"math-{i}", "source": "arithmetic", "prompt": template.format(**values)})
-    for name, obj in _stdlib_objects():
+    for name, obj in _documented_objects():
         doc = inspect.getdoc(obj) or ""
         code = _source(obj) if not inspect.ismodule(obj) else None
         if code:
@@ -171,6 +195,49 @@ def build_prompts(seed: int = 0) -> List[Dict[str, str]]:
             unique.append(p)
     rng.shuffle(unique)
     return unique
+
+
+def fixed_text() -> List[Dict[str, str]]:
+    """Text the target did not write, each piece as the answer to a question about it: the
+    docstrings and the code of TEXT_MODULES. For soft labels (the target's distribution at each
+    position), where answering is the bottleneck: rows cost a tokenization, not a generation."""
+    rows = []
+    for name, obj in _documented_objects(TEXT_MODULES, methods=True):
+        doc = inspect.getdoc(obj) or ""
+        if 120 < len(doc) <= 4000:
+            rows.append({"id": f"text-doc-{name}", "source": "text-doc", "prompt": f"What does `{name}` do?",
+                         "response": doc})
+        code = _source(obj, limit=4000) if not inspect.ismodule(obj) else None
+        if code:
+            rows.append({"id": f"text-code-{name}", "source": "text-code",
+                         "prompt": f"Show me the Python source of `{name}`.", "response": code})
+    return rows
+
+
+def write_fixed_text(tokenizer, out_dir, limit: Optional[int] = None, seed: int = 0) -> Dict[str, int]:
+    """fixed_text() as `train data` rows (prompt in the chat template, response tokens ended
+    like an answer), in a seeded order; rows already there (by id) are kept."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    done = {row["id"] for split in ("train", "heldout") for row in read_split(out_dir, split)}
+    rows = fixed_text()
+    random.Random(seed).shuffle(rows)
+    rows = rows[:limit]
+    counts = {"skipped": sum(r["id"] in done for r in rows), "written": 0, "total": len(rows)}
+    eos = tokenizer.eos_token_id
+    for split in ("train", "heldout"):
+        with open(out_dir / f"{split}.jsonl", "a") as f:
+            for r in rows:
+                if r["id"] in done or split_of(r) != split:
+                    continue
+                prompt_tokens = tokenizer.apply_chat_template([{"role": "user", "content": r["prompt"]}],
+                                                              add_generation_prompt=True)
+                response_tokens = tokenizer.encode(r["response"], add_special_tokens=False) + [eos]
+                f.write(json.dumps(dict(r, prompt_tokens=list(prompt_tokens),
+                                        response_tokens=[int(t) for t in response_tokens])) + "\n")
+                counts["written"] += 1
+        counts[split] = len(read_split(out_dir, split))
+    return counts
 
 
 def is_heldout(prompt_id: str, fraction: float = 0.05) -> bool:
