@@ -11,6 +11,8 @@
 # added to `train data` since the committed answers (benchmarks/training/answers/README.md) are
 # answered first; the feature cache is found by tokens, so only new sequences are computed.
 # LABELS=soft (mtp): the target's distribution at each position instead of the data's token.
+# FIXED_TEXT=1: train on installed packages' documentation and code (`train data --fixed-text`,
+# text the target did not write) instead of answers; with LABELS=soft, the issue's comparison.
 # Every run logs its dev tau at 4 drafts every EVAL_EVERY steps (OUT/train_log.jsonl; copy it to
 # benchmarks/training/ and run benchmarks/plot_learning_curves.py).
 set -e
@@ -42,7 +44,11 @@ unpack greedy "$WORK/data"
 unpack t0.7-s1 "$WORK/data-t0.7-s1"
 
 LABELS=${LABELS:-hard}
-if [ "${DATA_MIX:-0}" = 1 ]; then
+RUN=mtp3-$LABELS
+if [ "${FIXED_TEXT:-0}" = 1 ]; then
+  DATA="$WORK/text" RUN=mtp3-$LABELS-text
+  $BIN/mlx-spec train data --out "$DATA" --fixed-text
+elif [ "${DATA_MIX:-0}" = 1 ]; then
   $BIN/mlx-spec train data --out "$WORK/data" --max-tokens 160   # resumable
   $BIN/mlx-spec train data --out "$WORK/data-t0.7-s1" --max-tokens 160 --temp 0.7 --seed 1
   DATA="$WORK/data-mixed"
@@ -65,9 +71,10 @@ for method in $METHODS; do
         --save-dtype float16 --save-every 25 --out "$WORK/dflash2" --init "$SHIP/dflash" --steps 1500 \
         --batch-size 4 --lr 3e-4 --warmup 10 --blocks 32 --max-minutes "$MINUTES" --eval-every "$EVAL_EVERY" ;;
   mtp)
-    # 2026-12-03: the mixed data, lr 1.5e-4: dev tau 1.83 -> 2.10 in 72 min (benchmarks/training/mtp-fixed-*)
+    # 2026-12-03: the mixed data, lr 1.5e-4: dev tau 1.83 -> 2.10 in 72 min (benchmarks/training/mtp-fixed-*).
+    # Every run's dev tau on the same prompts: the greedy answers' held-out split (chat first, by id).
     $BIN/mlx-spec train mtp --data "$DATA" --feature-cache "$FEATURES-last" \
-        --save-every 100 --out "$WORK/mtp3-$LABELS" --init "$SHIP/mtp" --steps 2000 --labels "$LABELS" \
+        --save-every 100 --out "$WORK/$RUN" --eval-data "$WORK/data" --init "$SHIP/mtp" --steps 2000 --labels "$LABELS" \
         --batch-size 4 --lr 1.5e-4 --warmup 50 --ttt-steps 3 --max-minutes "$MINUTES" --eval-every 100 \
         --eval-prompts 16 ;;
   esac

@@ -411,6 +411,14 @@ def test_cli_trains_both_and_reports_bad_input_in_one_line(tmp_path):
     assert "2 steps, last loss" in err and "loss" in err
     code, err = cli("medusa", *common, "--out", str(tmp_path / "m0"), "--eval-every", "1")
     assert code == 1 and err.count("\n") == 1 and "needs held-out prompts" in err, err
+    other = tmp_path / "other"   # the dev prompts of another data set: runs on different data compared
+    other.mkdir()
+    (other / "heldout.jsonl").write_text(json.dumps(rows[1]) + "\n")
+    code, err = cli("medusa", *common, "--out", str(tmp_path / "m1"), "--heads", "2", "--rows-per-head", "8",
+                    "--eval-every", "2", "--eval-data", str(other))
+    assert code == 0, err
+    assert [r["dev_prompts"] for r in map(json.loads, (tmp_path / "m1" / "train_log.jsonl").read_text().splitlines())
+            if "dev_tau" in r] == [1, 1]
     (data / "heldout.jsonl").write_text(json.dumps(rows[0]) + "\n")
     code, err = cli("dflash", *common, "--out", str(tmp_path / "d"), "--layers", "1", "--block-size", "4",
                     "--target-layers", "0,1", "--eval-every", "2", "--eval-prompts", "1")

@@ -167,6 +167,9 @@ def training_options(f):
                           f"{_default('eval_every')}."),
         click.option("--eval-prompts", type=click.IntRange(1), default=None,
                      help=f"Held-out prompts per evaluation, 32 tokens each {_default('eval_prompts')}."),
+        click.option("--eval-data", default=None,
+                     help="Take the held-out prompts from this `train data` directory instead of --data "
+                          "(runs on different data, evaluated on the same prompts)."),
     ]
     for option in reversed(options):
         f = option(f)

@@ -252,7 +252,7 @@ def train_dflash(target, data_dir, out_dir, options: Optional[DFlashOptions] = N
         raise MlxSpecError("--steps, --batch-size and --blocks must be >= 1, --decay > 0")
     out_dir = Path(out_dir)
     sequences = load_sequences(data_dir, o.max_length)
-    evaluate = DevEvaluation(target, data_dir, lambda m: DFlashDrafter(target, m), o.eval_prompts) \
+    evaluate = DevEvaluation(target, o.eval_data or data_dir, lambda m: DFlashDrafter(target, m), o.eval_prompts) \
         if o.eval_every else None
     out_dir.mkdir(parents=True, exist_ok=True)
     mx.random.seed(o.seed)

@@ -303,6 +303,7 @@ class LoopOptions:
     init: Optional[str] = None      # start from this published drafter's weights (not a resume)
     eval_every: int = 0             # steps between dev evaluations (tau at 4 drafts); 0: none
     eval_prompts: int = 8           # dev prompts (the data's held-out split) per evaluation
+    eval_data: Optional[str] = None  # take the dev prompts from this data directory instead
 
     @classmethod
     def given(cls, **options):

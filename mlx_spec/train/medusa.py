@@ -87,7 +87,7 @@ def train_medusa(target, data_dir, out_dir, options: Optional[MedusaOptions] = N
         raise MlxSpecError("--heads, --rows-per-head, --batch-size and --steps must be >= 1, --layers >= 0")
     out_dir = Path(out_dir)
     sequences = load_sequences(data_dir, o.max_length)
-    evaluate = DevEvaluation(target, data_dir, lambda m: MedusaDrafter(target, m), o.eval_prompts) \
+    evaluate = DevEvaluation(target, o.eval_data or data_dir, lambda m: MedusaDrafter(target, m), o.eval_prompts) \
         if o.eval_every else None
     out_dir.mkdir(parents=True, exist_ok=True)
     start = resume_step(out_dir, resume)

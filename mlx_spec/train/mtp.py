@@ -179,7 +179,7 @@ def train_mtp(target, data_dir, out_dir, options: Optional[MTPOptions] = None, r
         raise MlxSpecError(f"--labels is hard or soft, not {o.labels!r}")
     out_dir = Path(out_dir)
     sequences = load_sequences(data_dir, o.max_length)
-    evaluate = DevEvaluation(target, data_dir, lambda m: EagleDrafter(m, target.vocab_size), o.eval_prompts) \
+    evaluate = DevEvaluation(target, o.eval_data or data_dir, lambda m: EagleDrafter(m, target.vocab_size), o.eval_prompts) \
         if o.eval_every else None
     out_dir.mkdir(parents=True, exist_ok=True)
     mx.random.seed(o.seed)
