@@ -23,6 +23,7 @@ METHODS=${METHODS:-eagle dflash}
 DATA_TEMP=${DATA_TEMP:-0}
 DATA_SEED=${DATA_SEED:-0}
 EVAL_EVERY=${EVAL_EVERY:-50}
+MTP_STEPS=${MTP_STEPS:-2000}   # the cosine schedule's length; features are computed for these steps only
 SHIP=mlx_spec/shipped/smollm2-135m-instruct
 export OPENBLAS_NUM_THREADS=1
 DATA="$WORK/data" FEATURES="$WORK/features"   # shared with train-default-drafters.sh
@@ -74,7 +75,7 @@ for method in $METHODS; do
     # 2026-12-03: the mixed data, lr 1.5e-4: dev tau 1.83 -> 2.10 in 72 min (benchmarks/training/mtp-fixed-*).
     # Every run's dev tau on the same prompts: the greedy answers' held-out split (chat first, by id).
     $BIN/mlx-spec train mtp --data "$DATA" --feature-cache "$FEATURES-last" \
-        --save-dtype float16 --save-every 100 --out "$WORK/$RUN" --eval-data "$WORK/data" --init "$SHIP/mtp" --steps 2000 --labels "$LABELS" \
+        --save-dtype float16 --save-every 100 --out "$WORK/$RUN" --eval-data "$WORK/data" --init "$SHIP/mtp" --steps "$MTP_STEPS" --labels "$LABELS" \
         --batch-size 4 --lr 1.5e-4 --warmup 50 --ttt-steps 3 --max-minutes "$MINUTES" --eval-every 100 \
         --eval-prompts 16 ;;
   esac
