@@ -24,7 +24,12 @@ DATA_TEMP=${DATA_TEMP:-0}
 DATA_SEED=${DATA_SEED:-0}
 EVAL_EVERY=${EVAL_EVERY:-50}
 MTP_STEPS=${MTP_STEPS:-2000}   # the cosine schedule's length; features are computed for these steps only
+EAGLE_STEPS=${EAGLE_STEPS:-400}
 SHIP=mlx_spec/shipped/smollm2-135m-instruct
+# EAGLE_INIT=DIR EAGLE_OUT=DIR: continue a run's published weights (not shipped yet) with a new
+# schedule; the batch order is seeded, so a run that continues with seed 0 finds the features
+# of the first run's steps cached.
+EAGLE_INIT=${EAGLE_INIT:-$SHIP/eagle}
 export OPENBLAS_NUM_THREADS=1
 DATA="$WORK/data" FEATURES="$WORK/features"   # shared with train-default-drafters.sh
 if [ "$DATA_TEMP" != 0 ] || [ "$DATA_SEED" != 0 ]; then
@@ -64,7 +69,7 @@ for method in $METHODS; do
   case $method in
   eagle)
     $BIN/mlx-spec train eagle --data "$DATA" --feature-cache "$FEATURES" --max-length 512 \
-        --save-dtype float16 --save-every 25 --out "$WORK/eagle2" --init "$SHIP/eagle" --steps 400 \
+        --save-dtype float16 --save-every 25 --out "${EAGLE_OUT:-$WORK/eagle2}" --init "$EAGLE_INIT" --steps "$EAGLE_STEPS" \
         --batch-size 4 --lr 2e-4 --warmup 10 --ttt-steps 5 --max-minutes "$MINUTES" --eval-every "$EVAL_EVERY" ;;
   dflash)
     # twice the anchors per sequence of the first run (issue 13's recipe list)
