@@ -28,6 +28,11 @@ def test_prompts_are_assembled_offline_and_stable():
     bench = [json.loads(line) for line in open(Path(__file__).parents[1] / "benchmarks" / "heldout_prompts.jsonl")]
     held_turns = {t for q in bench for t in q.get("turns", [q.get("prompt")])}
     assert not {p["prompt"] for p in prompts if split_of(p) == "train"} & held_turns
+    # Sources added later keep the older prompts' text (their own random streams): the bench's
+    # held-out prompts drawn from this set are still the prompts it makes.
+    drawn = [q for q in bench if q["question_id"] in by_id]
+    assert len(drawn) >= 10 and all(by_id[q["question_id"]]["prompt"] == q["prompt"] for q in drawn)
+    assert all(split_of(by_id[q["question_id"]]) == "heldout" for q in drawn)
 
 
 def test_train_data_answers_with_the_target_and_resumes(tmp_path):

@@ -43,6 +43,22 @@ STDLIB_MODULES = ["json", "textwrap", "collections", "functools", "itertools", "
                   "pathlib", "argparse", "csv", "datetime", "heapq", "bisect", "random", "difflib", "fractions",
                   "calendar", "copy", "pprint", "queue", "glob", "fnmatch", "base64", "html", "zipfile"]
 
+# Added 2026-12-06 (instructions, summaries and rewrites paid least on the held-out prompts).
+MORE_TOPICS = ["earthquakes", "the human heart", "photography", "the moon's phases", "recycling", "antibiotics",
+               "the Silk Road", "rainbows", "electric cars", "fermentation", "the periodic table", "tides",
+               "ancient Egypt", "how airplanes fly", "gravity", "bees and pollination", "the blockchain",
+               "renewable energy", "the human brain", "deserts", "jazz music", "the Olympic Games", "magnets",
+               "clouds", "taxes", "the printing of money", "dinosaurs", "nutrition", "composting", "the ocean floor"]
+MORE_ACTIVITIES = ["learning to swim", "training a puppy", "writing a resume", "learning to code",
+                   "decluttering a home", "baking bread at home", "learning chess", "hiking in the mountains"]
+# Pure-Python modules outside STDLIB_MODULES (the held-out bench quotes those) and TEXT_MODULES.
+MORE_MODULES = ["getopt", "shelve", "ftplib", "pdb", "bdb", "code", "codeop", "pkgutil", "runpy", "tabnanny",
+                "pyclbr", "py_compile", "compileall", "zipapp", "webbrowser", "wsgiref.util", "wsgiref.headers",
+                "wsgiref.simple_server", "xmlrpc.client", "urllib.robotparser", "http.cookiejar", "http.cookies",
+                "email.utils", "email.header", "email.feedparser", "html.parser", "posixpath", "linecache",
+                "rlcompleter", "dbm", "click.core", "click.types", "click.termui", "click.utils", "click.formatting",
+                "mlx_lm.models.base", "mlx_lm.tuner.utils", "mlx_lm.server", "mlx_lm.tuner.trainer", "mlx_lm.lora"]
+
 # Everyday requests, each template with the kind of subject it takes. None is a held-out bench
 # conversation (benchmarks/heldout_prompts.jsonl; tests/test_train_data.py checks).
 CHAT_SUBJECTS = {
@@ -109,7 +125,7 @@ def second_turns(firsts: List[Dict[str, str]], seed: int = 0) -> List[Dict[str, 
 
 
 # Fixed text (`train data --fixed-text`): the documentation and code of these modules, none of
-# them a source of the prompts above (whose held-out split the bench's prompts come from).
+# them a source of the prompts (whose held-out split the bench's prompts come from).
 TEXT_MODULES = ["abc", "ast", "asyncio", "binascii", "bz2", "cmd", "codecs", "colorsys",
                 "concurrent.futures", "configparser", "contextlib", "dataclasses", "decimal", "dis", "doctest",
                 "email.message", "enum", "filecmp", "fileinput", "gettext", "graphlib", "gzip", "hashlib", "hmac",
@@ -156,21 +172,23 @@ def _source(obj, limit=1800) -> Optional[str]:
     return code if 80 < len(code) <= limit else None
 
 
-def build_prompts(seed: int = 0) -> List[Dict[str, str]]:
-    """Every prompt of every source, with a stable id."""
-    rng = random.Random(seed)
+def instruction_prompts(topics: List[str], activities: List[str], rng: random.Random) -> List[Dict[str, str]]:
+    """Every instruction template with every subject of its kind."""
     prompts = []
     for i, template in enumerate(INSTRUCTIONS):
-        subjects = ACTIVITIES if "{activity}" in template else TOPICS
+        subjects = activities if "{activity}" in template else topics
         for subject in subjects:
-            other = rng.choice([t for t in TOPICS if t != subject])
+            other = rng.choice([t for t in topics if t != subject])
             text = template.format(topic=subject, activity=subject, other=other)
             prompts.append({"id": f"instr-{i}-{subject}", "source": "instructions", "prompt": text})
-    for i in range(300):
-        template = WORD_PROBLEMS[i % len(WORD_PROBLEMS)]
-        values = dict(a=rng.randint(12, 480), b=rng.randint(2, 60), c=rng.randint(2, 12), d=rng.randint(2, 9))
-        prompts.append({"id": f"math-{i}", "source": "arithmetic", "prompt": template.format(**values)})
-    for name, obj in _documented_objects():
+    return prompts
+
+
+def document_prompts(modules: List[str]) -> List[Dict[str, str]]:
+    """Explain or comment the code of the modules' functions and classes; summarize or rewrite
+    their documentation."""
+    prompts = []
+    for name, obj in _documented_objects(modules):
         doc = inspect.getdoc(obj) or ""
         code = _source(obj) if not inspect.ismodule(obj) else None
         if code:
@@ -185,9 +203,25 @@ def build_prompts(seed: int = 0) -> List[Dict[str, str]]:
                             "prompt": f"Summarize the following documentation in a few sentences:\n\n{text}"})
             prompts.append({"id": f"rewrite-{name}", "source": "rewrite",
                             "prompt": f"Rewrite this text in plain, simple English:\n\n{text}"})
+    return prompts
+
+
+def build_prompts(seed: int = 0) -> List[Dict[str, str]]:
+    """Every prompt of every source, with a stable id."""
+    rng = random.Random(seed)
+    prompts = instruction_prompts(TOPICS, ACTIVITIES, rng)
+    for i in range(300):
+        template = WORD_PROBLEMS[i % len(WORD_PROBLEMS)]
+        values = dict(a=rng.randint(12, 480), b=rng.randint(2, 60), c=rng.randint(2, 12), d=rng.randint(2, 9))
+        prompts.append({"id": f"math-{i}", "source": "arithmetic", "prompt": template.format(**values)})
+    prompts += document_prompts(STDLIB_MODULES)
     # Own random streams: the prompts above stay as they were before these sources.
     firsts = chat_prompts(seed)
-    prompts += firsts + second_turns(firsts + [p for p in prompts if p["source"] == "instructions"], seed)
+    # Sources of 2026-12-06 (the weakest held-out kinds then: instructions, summaries, rewrites).
+    more = instruction_prompts(MORE_TOPICS, MORE_ACTIVITIES, random.Random(f"instr-more-{seed}"))
+    prompts += document_prompts(MORE_MODULES)
+    instructions = [p for p in prompts if p["source"] == "instructions"] + more
+    prompts += more + firsts + second_turns(firsts + instructions, seed)
     seen, unique = set(), []
     for p in prompts:
         if p["id"] not in seen:
