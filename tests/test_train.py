@@ -21,7 +21,7 @@ from mlx_spec.train.dflash import (DFlashOptions, block_mask, block_sparse_forwa
                                    position_weights, sample_anchors, train_dflash)
 from mlx_spec.train.eagle import (EagleOptions, draft_vocabulary, new_eagle_model, train_eagle,
                                   ttt_forward)
-from mlx_spec.train.loop import FeatureStore, TrainSequence, batch_indices
+from mlx_spec.train.loop import FeatureStore, TrainSequence, batch_indices, load_sequences
 
 VOCAB = 48
 GREEDY = SamplingParams()
@@ -200,6 +200,45 @@ def test_eagle_training_lowers_the_loss_and_drafts_losslessly(target, data, tmp_
     tokens, stats = run(engine, prompt, 24)
     assert tokens == plain_greedy(target.model, prompt, 24)
     assert stats.accepted > 0          # it learned something of the target's answers
+
+
+def test_eagle_soft_labels_are_the_targets_distribution_over_the_draft_vocabulary(target, data, tmp_path):
+    """--labels soft: the label of step j at row t is the target's distribution at position
+    t + 2 + j over the draft vocabulary (its logits at t + 1 + j, renormalized there), every
+    response position is trained (also where the data's token lies outside the draft vocabulary),
+    and training on them lowers the loss and drafts losslessly."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from mlx_spec.train.eagle import make_eagle_batch, target_head, target_to_draft
+
+    sequences = load_sequences(data, 1024)[:2]
+    model = new_eagle_model(target, draft_vocabulary(sequences, VOCAB, 20), [1, 2, 3])
+    ids = np.array(model.draft_ids)
+    store = FeatureStore(target, list(model.taps) + [target.num_layers - 1])
+    embeds, features, labels, weights = make_eagle_batch(target, model, store, sequences, 2,
+                                                         target_to_draft(model), target_head(target, model))
+    hard = make_eagle_batch(target, model, FeatureStore(target, model.taps), sequences, 2, target_to_draft(model))
+    assert mx.array_equal(features, hard[1]) and mx.array_equal(embeds, hard[0])
+    assert (np.array(weights) >= np.array(hard[3])).all() and np.array(weights).sum() > np.array(hard[3]).sum()
+    n = features.shape[1]
+    for j in range(2):
+        for i, seq in enumerate(sequences):
+            logits, _ = target.forward(mx.array(seq.tokens)[None], make_prompt_cache(target.model))
+            for t in np.flatnonzero(np.array(weights[j, i])).tolist():
+                assert t + 2 + j <= len(seq.tokens) - 1 and t < n
+                expected = mx.softmax(logits[0, t + 1 + j][mx.array(ids)])
+                assert mx.allclose(labels[j, i, t], expected, atol=1e-5), (j, i, t)
+    result = train_eagle(target, data, tmp_path / "soft", EagleOptions(
+        steps=30, batch_size=4, lr=3e-3, warmup=0, ttt_steps=2, draft_vocab_size=24, save_every=0,
+        layer_ids=[1, 2, 3], labels="soft"), feature_dir=tmp_path / "features")
+    first, last = first_and_last(result.losses)
+    assert last < first - 0.5, result.losses   # a cross-entropy with soft labels ends at their entropy
+    assert (tmp_path / "features" / "taps_0_1_2_3").is_dir()   # the fused taps, then the last layer
+    prompt = json.loads((data / "train.jsonl").read_text().splitlines()[0])["prompt_tokens"]
+    engine = Engine(target, EagleDrafter(load_eagle3(tmp_path / "soft", target), VOCAB), num_draft_tokens=4,
+                    adaptive=False)
+    tokens, stats = run(engine, prompt, 24)
+    assert tokens == plain_greedy(target.model, prompt, 24) and stats.accepted > 0
 
 
 def test_mtp_training_time_test_equals_chained_drafting(target):

@@ -232,8 +232,15 @@ def _run_training(kind, train_fn, model_path, data_dir, out_dir, dtype, resume, 
     echo_err(f"{result.step} steps{last} -> {result.path}")
 
 
+labels_option = click.option(
+    "--labels", type=click.Choice(["hard", "soft"]), default=None,
+    help="hard: the data's next tokens; soft: the target's distribution at each position (from its "
+         f"cached last-layer features; any text then teaches what the target would write) {_default('labels', ['eagle', 'mtp'])}.")
+
+
 @train.command("eagle", short_help="Train an EAGLE-3 draft layer against the frozen target.")
 @training_options
+@labels_option
 @click.option("--ttt-steps", type=click.IntRange(1), default=None,
               help=f"Training-time test: steps the layer runs on its own outputs {_default('ttt_steps', ['eagle'])}.")
 @click.option("--draft-vocab-size", type=click.IntRange(1), default=None,
@@ -276,9 +283,7 @@ def dflash(**given):
 @training_options
 @click.option("--ttt-steps", type=click.IntRange(1), default=None,
               help=f"Training-time test: depths the module runs on its own outputs {_default('ttt_steps', ['mtp'])}.")
-@click.option("--labels", type=click.Choice(["hard", "soft"]), default=None,
-              help="hard: the data's next tokens; soft: the target's distribution at each position "
-                   f"(its cached features; any text then teaches what the target would write) {_default('labels', ['mtp'])}.")
+@labels_option
 @reports_errors
 def mtp(**given):
     """Train an MTP module (DeepSeek-V3 layout: one decoder layer of the target's class, sharing

@@ -11,8 +11,11 @@ x_{t+2}; step j feeds, at row t, token x_{t+1+j} and the layer's own output of s
 same row, at position t+j, and predicts x_{t+2+j}. Its attention sees the step-0 entries of
 rows 0..t and its own chain's entries of steps 1..j: exactly the cache a chain of drafts
 rooted at row t sees at inference (models/eagle3.py, drafters/eagle.py). The labels are the
-data's tokens (the target's own greedy output); rows whose label lies in the prompt or
-outside the draft vocabulary are masked. Step j's loss is weighted ttt_decay**j.
+data's tokens (hard: the target's own answers) or the target's distribution over the draft
+vocabulary at each position (soft, as EAGLE-1 and HASS train: from its last-layer output,
+cached beside the fused taps, so a sampled answer teaches the whole distribution and not one
+draw of it); rows whose label lies in the prompt, or (hard) outside the draft vocabulary, are
+masked. Step j's loss is weighted ttt_decay**j.
 
 The result is written in SafeAILab's layout (config.json + model.safetensors with midlayer.*,
 fc, norm, lm_head, d2t, t2d), which load_eagle3, vLLM and SafeAILab's EAGLE read."""
@@ -41,6 +44,7 @@ class EagleOptions(LoopOptions):
     ttt_decay: float = 0.8          # weight of step j's loss: ttt_decay ** j
     draft_vocab_size: int = 8192
     layer_ids: Optional[List[int]] = None   # EAGLE's convention (layer inputs); None: 2, N//2, N-3
+    labels: str = "hard"            # hard: the data's next tokens; soft: the target's distribution there
 
 
 # --- the model --------------------------------------------------------------------------------
@@ -131,24 +135,53 @@ def ttt_forward(model: Model, embeds: mx.array, fused: mx.array, steps: int) -> 
     return outputs
 
 
+def cross_entropy(logits: mx.array, labels: mx.array) -> mx.array:
+    """Per-row cross-entropy against draft ids (hard labels, [...]) or distributions over the
+    draft vocabulary (soft, [..., V] like the logits)."""
+    if labels.ndim == logits.ndim:
+        return -(labels * nn.log_softmax(logits, axis=-1)).sum(axis=-1)
+    return nn.losses.cross_entropy(logits, labels, reduction="none")
+
+
+def top_label(labels: mx.array, logits: mx.array) -> mx.array:
+    """The label top-1 accuracy counts: the data's token, or the target's most likely one."""
+    return mx.argmax(labels, axis=-1) if labels.ndim == logits.ndim else labels
+
+
 def eagle_loss(model: Model, embeds, features, labels, weights, step_weights):
-    """labels, weights [steps, b, n] (draft ids; 0/1 masks) -> (weighted mean cross-entropy,
-    {"accuracy": step-0 top-1 accuracy})."""
+    """labels [steps, b, n] draft ids, or [steps, b, n, V] the target's distributions; weights
+    [steps, b, n] 0/1 masks -> (weighted mean cross-entropy, {"accuracy": step-0 top-1 accuracy})."""
     outputs = ttt_forward(model, embeds, model.fuse(features), labels.shape[0])
     total, accuracy = 0.0, None
     for j, hidden in enumerate(outputs):
         logits = model.logits(hidden)
-        ce = nn.losses.cross_entropy(logits, labels[j], reduction="none")
         count = mx.maximum(weights[j].sum(), 1)
-        total = total + step_weights[j] * (ce * weights[j]).sum() / count
+        total = total + step_weights[j] * (cross_entropy(logits, labels[j]) * weights[j]).sum() / count
         if j == 0:
-            accuracy = ((mx.argmax(logits, axis=-1) == labels[0]) * weights[0]).sum() / count
+            accuracy = ((mx.argmax(logits, axis=-1) == top_label(labels[0], logits)) * weights[0]).sum() / count
     return total / sum(step_weights), {"accuracy": accuracy}
 
 
+def target_head(target, model) -> Callable[[mx.array], mx.array]:
+    """The target's output layer over a drafter's vocabulary (the target's own rows, never the
+    drafter's head): what soft labels are computed with."""
+    ids = model.draft_ids
+    if ids is None:
+        return target.lm_head
+    return vocabulary.OutputRows([target.output_layer], np.array(ids))
+
+
+def target_distribution(target, head, last: mx.array) -> mx.array:
+    """The target's distribution of the next token (over head's vocabulary, renormalized there)
+    from its last layer's output `last` [..., H] at each position: soft labels."""
+    return mx.stop_gradient(mx.softmax(head(target.final_norm(last)).astype(mx.float32), axis=-1))
+
+
 def make_eagle_batch(target, model: Model, store: FeatureStore, sequences, steps: int,
-                     to_draft: np.ndarray):
-    """(embeds, features, labels, weights) for the sequences, right-padded; see the module doc."""
+                     to_draft: np.ndarray, soft_head=None):
+    """(embeds, features, labels, weights) for the sequences, right-padded; see the module doc.
+    soft_head (target_head): the store's last tap is the target's last layer, and the labels
+    are its distributions (the features returned are the others)."""
     b = len(sequences)
     n = max(len(s.tokens) for s in sequences) - 1
     tokens = np.zeros((b, n + steps + 1), np.int64)
@@ -164,11 +197,23 @@ def make_eagle_batch(target, model: Model, store: FeatureStore, sequences, steps
         for j in range(steps):
             where = rows + 2 + j                         # the label's position in the sequence
             ids = to_draft[tokens[i, np.minimum(where, T - 1)]]
-            valid = (where <= T - 1) & (where >= seq.prompt_length) & (ids >= 0)
+            valid = (where <= T - 1) & (where >= seq.prompt_length) & ((ids >= 0) | (soft_head is not None))
             labels[j, i] = np.where(valid, ids, 0)
             weights[j, i] = valid
-    embeds = target.embed(mx.array(tokens[:, 1:n + steps]))
-    return (embeds.astype(mx.float32), mx.stack(features), mx.array(labels), mx.array(weights))
+    embeds = target.embed(mx.array(tokens[:, 1:n + steps])).astype(mx.float32)
+    features, labels = mx.stack(features), mx.array(labels)
+    if soft_head is not None:
+        # Row t of step j predicts position t+2+j: the target's output at t+1+j (past the
+        # sequence only where the weight is 0).
+        H = target.hidden_size
+        features, probs = features[..., :-H], target_distribution(target, soft_head, features[..., -H:])
+        labels = mx.stack([mx.pad(probs[:, 1 + j:], [(0, 0), (0, 1 + j), (0, 0)]) for j in range(steps)])
+    return embeds, features, labels, mx.array(weights)
+
+
+def check_labels(labels: str) -> None:
+    if labels not in ("hard", "soft"):
+        raise MlxSpecError(f"--labels is hard or soft, not {labels!r}")
 
 
 # --- the published checkpoint -------------------------------------------------------------------
@@ -215,6 +260,7 @@ def train_eagle(target, data_dir, out_dir, options: Optional[EagleOptions] = Non
     o = options or EagleOptions()
     if o.ttt_steps < 1 or o.batch_size < 1 or o.steps < 1 or o.draft_vocab_size < 1:
         raise MlxSpecError("--steps, --batch-size, --ttt-steps and --draft-vocab-size must be >= 1")
+    check_labels(o.labels)
     out_dir = Path(out_dir)
     sequences = load_sequences(data_dir, o.max_length)
     evaluate = DevEvaluation(target, o.eval_data or data_dir, lambda m: EagleDrafter(m, target.vocab_size), o.eval_prompts) \
@@ -231,7 +277,10 @@ def train_eagle(target, data_dir, out_dir, options: Optional[EagleOptions] = Non
     else:
         model = new_eagle_model(target, draft_vocabulary(sequences, target.vocab_size, o.draft_vocab_size),
                                 o.layer_ids)
-    store = FeatureStore(target, model.taps, out_dir / "features" if feature_dir == "default" else feature_dir)
+    soft_head = target_head(target, model) if o.labels == "soft" else None
+    # Soft labels come from the target's last layer, cached as one more tap.
+    taps = list(model.taps) + ([target.num_layers - 1] if soft_head is not None else [])
+    store = FeatureStore(target, taps, out_dir / "features" if feature_dir == "default" else feature_dir)
     store.prepare([sequences[i] for i in used_indices(len(sequences), o.batch_size, start, o.steps, o.seed)],
                   feature_progress)
     step_weights = [o.ttt_decay ** j for j in range(o.ttt_steps)]
@@ -242,7 +291,8 @@ def train_eagle(target, data_dir, out_dir, options: Optional[EagleOptions] = Non
         if to_draft is None:          # after a resume, d2t is the checkpoint's
             to_draft = target_to_draft(model)
         batch = [sequences[i] for i in batch_indices(len(sequences), o.batch_size, step, o.seed)]
-        embeds, features, labels, weights = make_eagle_batch(target, model, store, batch, o.ttt_steps, to_draft)
+        embeds, features, labels, weights = make_eagle_batch(target, model, store, batch, o.ttt_steps, to_draft,
+                                                             soft_head)
         return (embeds, features, labels, weights, step_weights), sum(len(s.tokens) for s in batch)
 
     architecture = {"hidden_size": target.hidden_size, "target_layers": target.num_layers,

@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import Callable, List, Optional
 
 import mlx.core as mx
-import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
@@ -33,7 +32,8 @@ from ..drafters.eagle import EagleDrafter
 from ..errors import MlxSpecError
 from ..models import vocabulary
 from ..models.mtp import LAYOUTS, Model
-from .eagle import chain_attention_step, make_eagle_batch
+from .eagle import (chain_attention_step, check_labels, cross_entropy, make_eagle_batch, target_distribution,
+                    target_head, top_label)
 from .loop import (DevEvaluation, FeatureStore, LoopOptions, TrainResult, batch_indices, cast_for_saving,
                    load_sequences, resume_step, run_loop, used_indices)
 
@@ -92,23 +92,10 @@ def mtp_loss(model: Model, embeds, hidden, rows, labels, step_weights):
     for j, out in enumerate(outputs):
         flat = out.reshape(-1, out.shape[-1])[rows[j]]
         logits = model.logits(flat)
-        if labels[j].ndim == 2:
-            ce = -(labels[j] * nn.log_softmax(logits, axis=-1)).sum(axis=-1).mean()
-        else:
-            ce = nn.losses.cross_entropy(logits, labels[j], reduction="mean")
-        total = total + step_weights[j] * ce
+        total = total + step_weights[j] * cross_entropy(logits, labels[j]).mean()
         if j == 0:
-            best = mx.argmax(labels[0], axis=-1) if labels[0].ndim == 2 else labels[0]
-            accuracy = (mx.argmax(logits, axis=-1) == best).mean()
+            accuracy = (mx.argmax(logits, axis=-1) == top_label(labels[0], logits)).mean()
     return total / sum(step_weights), {"accuracy": accuracy}
-
-
-def target_head(target, model: Model) -> Callable[[mx.array], mx.array]:
-    """The target's output layer over the module's vocabulary (its own rows, never a module's head)."""
-    ids = model.draft_ids
-    if ids is None:
-        return target.lm_head
-    return vocabulary.OutputRows([target.output_layer], np.array(ids))
 
 
 def target_probabilities(target, head, features: mx.array, rows: mx.array, j: int) -> mx.array:
@@ -116,8 +103,7 @@ def target_probabilities(target, head, features: mx.array, rows: mx.array, j: in
     the labelled position (renormalized there; head: target_head), from its last-layer output
     one position before it (feature t + 1 + j of row t's sequence; flat indices into b * n:
     a labelled row has t + 2 + j <= its length - 1, so that feature is its own, not padding)."""
-    normed = target.final_norm(features.reshape(-1, features.shape[-1])[rows + 1 + j])
-    return mx.stop_gradient(mx.softmax(head(normed).astype(mx.float32), axis=-1))
+    return target_distribution(target, head, features.reshape(-1, features.shape[-1])[rows + 1 + j])
 
 
 def draft_index(model: Model, vocab_size: int) -> np.ndarray:
@@ -175,8 +161,7 @@ def train_mtp(target, data_dir, out_dir, options: Optional[MTPOptions] = None, r
     o = options or MTPOptions()
     if o.ttt_steps < 1 or o.batch_size < 1 or o.steps < 1:
         raise MlxSpecError("--steps, --batch-size and --ttt-steps must be >= 1")
-    if o.labels not in ("hard", "soft"):
-        raise MlxSpecError(f"--labels is hard or soft, not {o.labels!r}")
+    check_labels(o.labels)
     out_dir = Path(out_dir)
     sequences = load_sequences(data_dir, o.max_length)
     evaluate = DevEvaluation(target, o.eval_data or data_dir, lambda m: EagleDrafter(m, target.vocab_size), o.eval_prompts) \
