@@ -177,6 +177,21 @@ def test_dev_prompts_are_distinct_in_merged_data(target, tmp_path):
     assert evaluation.prompts == [[1, 2], [1, 3], [1, 4]]
 
 
+def test_sampled_dev_evaluation_is_reproducible_per_seed(target, data):
+    """At temperature > 0 each prompt generates once per seed, with that seed's noise: the same
+    seeds give the same tau (a fresh seed per call would not), and greedy runs once."""
+    from mlx_spec.train.loop import DevEvaluation
+
+    def evaluate(seeds, temp=1.0):
+        return DevEvaluation(target, data, lambda model: make_drafter("lookup", target, {}), prompts=2,
+                             max_tokens=16, sampling=SamplingParams(temp=temp), seeds=seeds)
+
+    assert evaluate((0, 1), temp=0.0).seeds == [0] and evaluate((0, 1)).seeds == [0, 1]
+    taus = {seeds: [evaluate(seeds)(None)["dev_tau"] for _ in range(2)] for seeds in ((0,), (1,), (0, 1))}
+    assert all(a == b and 1.0 <= a for a, b in taus.values()), taus
+    assert len({t[0] for t in taus.values()}) > 1, taus   # the seeds draw different text
+
+
 def test_eagle_training_lowers_the_loss_and_drafts_losslessly(target, data, tmp_path):
     options = EagleOptions(steps=30, batch_size=4, lr=3e-3, warmup=0, ttt_steps=3, draft_vocab_size=24,
                            save_every=0, save_dtype="float16", eval_every=20, eval_prompts=2)

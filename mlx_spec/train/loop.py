@@ -25,6 +25,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from ..engine import Engine
 from ..errors import MlxSpecError
 from ..models.checkpoint import FLOAT_DTYPES
+from ..sampling import SamplingParams
 from .data import read_split
 
 CHECKPOINT = "checkpoint"       # <out>/checkpoint: training state (weights, optimizer, step)
@@ -315,12 +316,13 @@ class LoopOptions:
 
 class DevEvaluation:
     """The drafter's tau (tokens per verification step) at a fixed 4 drafts, every draft
-    verified, greedy, on the first `prompts` distinct prompts of the data's held-out split (by id): what
-    the learning curves plot. Each prompt generates `max_tokens` tokens through the engine with
-    a drafter built from the model as it is (make_drafter(model))."""
+    verified, on the first `prompts` distinct prompts of the data's held-out split (by id): what
+    the learning curves plot (greedy). Each prompt generates `max_tokens` tokens through the
+    engine with a drafter built from the model as it is (make_drafter(model)); with sampling
+    (temp > 0), once per seed of `seeds`."""
 
     def __init__(self, target, data_dir, make_drafter: Callable, prompts: int = 8, max_tokens: int = 32,
-                 draft_tokens: int = 4):
+                 draft_tokens: int = 4, sampling: SamplingParams = SamplingParams(), seeds: Sequence[int] = (0,)):
         # One row per prompt: data merged from several runs (greedy and sampled) repeats them.
         rows = sorted({r["id"]: r for r in read_split(data_dir, "heldout")}.values(), key=lambda r: r["id"])[:prompts]
         if not rows:
@@ -328,14 +330,17 @@ class DevEvaluation:
         self.target, self.make_drafter = target, make_drafter
         self.prompts = [r["prompt_tokens"] for r in rows]
         self.max_tokens, self.draft_tokens = max_tokens, draft_tokens
+        self.sampling, self.seeds = sampling, list(seeds) if not sampling.greedy else [0]
 
     def __call__(self, model: nn.Module) -> dict:
         committed = steps = 0
-        engine = Engine(self.target, self.make_drafter(model), num_draft_tokens=self.draft_tokens, adaptive=False)
+        engine = Engine(self.target, self.make_drafter(model), num_draft_tokens=self.draft_tokens, adaptive=False,
+                        sampling=self.sampling)
         for prompt in self.prompts:
-            for event in engine.generate(prompt, max_tokens=self.max_tokens):
-                if event[0] == "done":
-                    committed, steps = committed + event[1].committed, steps + event[1].steps
+            for seed in self.seeds:
+                for event in engine.generate(prompt, max_tokens=self.max_tokens, seed=seed):
+                    if event[0] == "done":
+                        committed, steps = committed + event[1].committed, steps + event[1].steps
         return {"dev_tau": committed / steps if steps else 0.0, "dev_prompts": len(self.prompts)}
 
 
