@@ -5,6 +5,7 @@ import http.client
 import json
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -190,18 +191,19 @@ def test_health_needs_no_key_and_the_api_does(server):
 
 LOAD_PROMPTS = ["List two colors.", "What is 7 times 8?", "Say hello in French.", "Name a planet.",
                 "Give me a synonym of quick.", "Count from one to five."]
+LOAD_CONNECTIONS = 64
 
 
 def load_requests():
-    """8 clients x 3 requests: greedy and seeded, streamed and whole, over six prompts."""
+    """64 requests, one connection each: greedy and seeded, streamed and whole, over six prompts
+    (12 distinct (prompt, settings) pairs, each run once alone for reference); every eighth
+    connection hangs up early instead."""
     requests = []
-    for client in range(8):
-        for i in range(3):
-            n = 3 * client + i
-            settings = {"max_tokens": 12}
-            if n % 3 == 1:
-                settings.update(temperature=0.9, seed=n)
-            requests.append((client, LOAD_PROMPTS[n % len(LOAD_PROMPTS)], settings, n % 2 == 0))
+    for n in range(LOAD_CONNECTIONS):
+        settings = {"max_tokens": 12}
+        if n % 3 == 1:
+            settings.update(temperature=0.9, seed=n % 2)
+        requests.append((LOAD_PROMPTS[n % len(LOAD_PROMPTS)], settings, n % 2 == 0, n % 8 == 7))
     return requests
 
 
@@ -211,42 +213,113 @@ def run_request(client, prompt, settings, stream):
     return chat(client, prompt, **settings).choices[0].message.content
 
 
-def test_concurrent_clients_get_their_sequential_outputs(server):
+def raw_request(server, prompt, settings, stream):
+    """The reply's text over one raw HTTP connection, opened as soon as called."""
+    connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=300)
+    connection.connect()
+    body = {"messages": [{"role": "user", "content": prompt}], "stream": stream, **settings}
+    connection.request("POST", "/v1/chat/completions", body=json.dumps(body),
+                       headers={"Authorization": f"Bearer {API_KEY}"})
+    response = connection.getresponse()
+    assert response.status == 200, response.read()
+    if not stream:
+        text = json.loads(response.read())["choices"][0]["message"]["content"]
+    else:
+        events = [line[6:] for line in response.read().decode().splitlines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        text = "".join(json.loads(e)["choices"][0]["delta"].get("content") or "" for e in events[:-1])
+    connection.close()
+    return text
+
+
+def hang_up(server, n):
+    """A client that leaves: before sending (a bare connection), mid-stream, or before its reply."""
+    if n % 3 == 0:
+        socket.create_connection(("127.0.0.1", server.port), timeout=30).close()
+        return
+    connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=120)
+    body = {"messages": [{"role": "user", "content": "Tell a long story."}], "max_tokens": 300, "stream": n % 3 == 1}
+    connection.request("POST", "/v1/chat/completions", body=json.dumps(body),
+                       headers={"Authorization": f"Bearer {API_KEY}"})
+    if n % 3 == 1:
+        response = connection.getresponse()
+        assert response.status == 200
+        response.fp.readline()   # the first event, then gone
+    connection.close()
+
+
+def test_a_burst_of_64_connections_gets_every_sequential_output(server):
+    """All at once (socketserver's default backlog of 5 reset a third of them: the listening
+    socket now holds a burst), streamed and whole, some hanging up early."""
     requests = load_requests()
-    sequential = [run_request(server.client(), prompt, settings, stream) for _, prompt, settings, stream in requests]
+    key = lambda prompt, settings: (prompt, json.dumps(settings, sort_keys=True))
+    reference = {}
+    for prompt, settings, stream, leaves in requests:
+        if not leaves and key(prompt, settings) not in reference:
+            reference[key(prompt, settings)] = run_request(server.client(), prompt, settings, stream=False)
     rss_before = server.rss_mb()
     results, errors = {}, []
+    ready = threading.Barrier(LOAD_CONNECTIONS, timeout=60)
 
-    def client_thread(index):
-        client = server.client()
+    def connection_thread(n):
+        prompt, settings, stream, leaves = requests[n]
         try:
-            if index == 0:   # a client that leaves mid-stream: its generation stops, the others go on
-                stream = client.chat.completions.create(
-                    model="SmolLM2-135M-Instruct", messages=[{"role": "user", "content": "Tell a long story."}],
-                    max_tokens=400, stream=True)
-                next(iter(stream))
-                stream.close()
-            for n, (owner, prompt, settings, stream) in enumerate(requests):
-                if owner == index:
-                    results[n] = run_request(client, prompt, settings, stream)
+            client = server.client()
+            ready.wait()
+            if leaves:
+                hang_up(server, n)
+            elif n % 4 < 2:   # connected at once: the burst the listening socket must hold
+                results[n] = raw_request(server, prompt, settings, stream)
+            else:
+                results[n] = run_request(client, prompt, settings, stream)
         except Exception as e:   # reported below: a thread's exception would be lost
-            errors.append(repr(e))
+            errors.append(f"{n}: {e!r}")
 
-    threads = [threading.Thread(target=client_thread, args=(i,)) for i in range(8)]
+    threads = [threading.Thread(target=connection_thread, args=(n,)) for n in range(LOAD_CONNECTIONS)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(timeout=600)
     assert not errors, errors
-    assert [results.get(n) for n in range(len(requests))] == sequential
+    expected = {n: reference[key(p, s)] for n, (p, s, _, leaves) in enumerate(requests) if not leaves}
+    assert results == expected
     assert any("client gone: generation stopped" in line for line in server.lines), "".join(server.lines)
     status, health = server.http("GET", "/health")
     assert status == 200 and health["queued"] == 0
     assert 0 < health["prompt_cache"]["bytes"] <= CACHE_BYTES
     # Memory stays bounded: the prompt cache evicts, nothing else piles up (what grows is the
-    # working set of a batch of 8: its rows' caches, 8 rows of logits; in-process it levels off
-    # after the second round of the same load).
+    # working set of a batch of 8: its rows' caches, 8 rows of logits).
     assert server.rss_mb() - rss_before < 300
+
+
+def test_a_full_queue_answers_503_with_retry_after():
+    process = ServerProcess("--draft", "none", "--max-batch", "1", "--max-queued", "1")
+    try:
+        statuses, lock = [], threading.Lock()
+
+        def one():
+            connection = http.client.HTTPConnection("127.0.0.1", process.port, timeout=120)
+            connection.request("POST", "/v1/chat/completions",
+                               body=json.dumps({"messages": [{"role": "user", "content": "Count to ten."}],
+                                                "max_tokens": 40}))
+            response = connection.getresponse()
+            body = json.loads(response.read())
+            with lock:
+                statuses.append((response.status, response.getheader("Retry-After"), body))
+            connection.close()
+
+        threads = [threading.Thread(target=one) for _ in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=300)
+        busy = [(retry, body) for status, retry, body in statuses if status == 503]
+        assert len(statuses) == 6 and busy and any(status == 200 for status, _, _ in statuses), statuses
+        for retry, body in busy:
+            assert retry == "1" and body["error"]["code"] == "server_busy" and "busy" in body["error"]["message"]
+        assert process.http("GET", "/health")[0] == 200
+    finally:
+        process.stop()
 
 
 def test_sigterm_stops_cleanly():

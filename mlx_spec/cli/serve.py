@@ -1,4 +1,6 @@
 import signal
+import socket
+
 import click
 
 from .common import echo_err, load_engine, model_label, model_options, reports_errors
@@ -26,9 +28,13 @@ def _interrupt(signum, frame):
               help="Most requests generated at once, sharing each target pass (1: one at a time).")
 @click.option("--max-body-bytes", type=click.IntRange(1), default=1 << 20, show_default=True,
               help="Largest request body accepted (413 past it).")
+@click.option("--backlog", type=click.IntRange(1), default=socket.SOMAXCONN, show_default=True,
+              help="Connections the system holds until they are accepted (a burst of parallel requests).")
+@click.option("--max-queued", type=click.IntRange(1), default=256, show_default=True,
+              help="Requests waiting for the model past which a request gets 503 with Retry-After.")
 @reports_errors
 def serve(host, port, max_tokens, api_key, prompt_cache_size, prompt_cache_bytes, max_batch, max_body_bytes,
-          **options):
+          backlog, max_queued, **options):
     """Serve the model over the OpenAI API: POST /v1/chat/completions and /v1/completions
     (streaming too), GET /v1/models and /health. Up to --max-batch requests are generated at
     once, each with the --draft source, every step's drafts verified in one pass for all of
@@ -51,7 +57,8 @@ def serve(host, port, max_tokens, api_key, prompt_cache_size, prompt_cache_bytes
         server = Server((host, port), lambda: load_engine(options, sessions=not split), name, options["draft"],
                         aliases=[model] if model else [], max_tokens=max_tokens,
                         api_key=api_key, max_body_bytes=max_body_bytes, max_sessions=prompt_cache_size,
-                        max_cache_bytes=prompt_cache_bytes, max_batch=max_batch, log=echo_err)
+                        max_cache_bytes=prompt_cache_bytes, max_batch=max_batch, backlog=backlog,
+                        max_queued=max_queued, log=echo_err)
     except OSError as e:
         raise click.ClickException(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
     bound_host, bound_port = server.server_address[:2]

@@ -34,6 +34,7 @@ from .sessions import SessionCache
 
 POLL_SECONDS = 0.05
 KEEP_ALIVE_SECONDS = 1.0
+RETRY_AFTER_SECONDS = 1
 
 
 class Job:
@@ -222,8 +223,14 @@ class Server(ThreadingHTTPServer):
 
     def __init__(self, address, load, model_name: str, method: str, aliases=(), max_tokens: int = 512,
                  api_key: Optional[str] = None, max_body_bytes: int = 1 << 20, max_sessions: int = 10,
-                 max_cache_bytes: int = 1 << 30, max_batch: int = 1, log=None):
-        """load: () -> Engine, called on the worker thread (errors raised here, before serving)."""
+                 max_cache_bytes: int = 1 << 30, max_batch: int = 1, backlog: int = socket.SOMAXCONN,
+                 max_queued: int = 256, log=None):
+        """load: () -> Engine, called on the worker thread (errors raised here, before serving).
+        backlog: connections the kernel holds before they are accepted (socketserver's default
+        of 5 resets a burst of parallel requests); max_queued: requests waiting for the engine
+        past which a request gets a 503 with Retry-After instead of waiting."""
+        self.request_queue_size = backlog   # read by server_activate's listen()
+        self.max_queued = max_queued
         super().__init__(address, Handler)
         self.model_name, self.method = model_name, method
         # What clients of mlx_lm.server send for the same model: the name given to --model,
@@ -275,16 +282,19 @@ class Handler(BaseHTTPRequestHandler):
         self.server.log(f"{self.command} {self.path} {status}{' ' + extra if extra else ''}")
 
     # --- replies -----------------------------------------------------------------------
-    def _send_json(self, status: int, obj: dict) -> None:
+    def _send_json(self, status: int, obj: dict, headers=()) -> None:
         body = json.dumps(obj).encode()
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(body)))
+        for name, value in headers:
+            self.send_header(name, value)
         self.end_headers()
         self.wfile.write(body)
 
     def _send_error(self, error: RequestError) -> None:
-        self._send_json(error.status, error.body())
+        retry = () if error.retry_after is None else (("Retry-After", str(error.retry_after)),)
+        self._send_json(error.status, error.body(), retry)
         self._log(error.status, error.message)
 
     def _sse(self, obj) -> None:
@@ -374,6 +384,9 @@ class Handler(BaseHTTPRequestHandler):
                                     f"exceed the model's context of {limit} tokens", "max_tokens",
                                "context_length_exceeded")
         max_tokens = request.max_tokens or min(server.max_tokens, room or server.max_tokens)
+        if server.worker.jobs.qsize() >= server.max_queued:
+            raise RequestError(503, f"the server is busy: {server.max_queued} requests are waiting; retry later",
+                               code="server_busy", kind="server_error", retry_after=RETRY_AFTER_SECONDS)
         job = Job(request, tokens, max_tokens)
         server.worker.jobs.put(job)
         try:

@@ -14,9 +14,10 @@ class RequestError(Exception):
     """An OpenAI-style error: HTTP status, message, the offending parameter, a code."""
 
     def __init__(self, status: int, message: str, param: Optional[str] = None, code: Optional[str] = None,
-                 kind: str = "invalid_request_error"):
+                 kind: str = "invalid_request_error", retry_after: Optional[int] = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+        self.retry_after = retry_after   # seconds, sent as Retry-After (a 503 when busy)
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
