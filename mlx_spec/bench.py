@@ -422,19 +422,30 @@ def _cells(rows):
     return [["n/a" if row[key] is None else fmt.format(row[key]) for key, fmt in COLUMNS] for row in rows]
 
 
+def overall_rows(rows) -> list:
+    """Each method's row over all its prompts: its "all" row, or its one category's row (a
+    method run on one category has no "all" row: that row is the whole)."""
+    methods = {row["method"] for row in rows if row["category"] == "all"}
+    return [row for row in rows if row["category"] == "all" or row["method"] not in methods]
+
+
+def render_histograms(rows) -> str:
+    return "tokens committed per step (histogram): " + "; ".join(
+        f"{row['method']}: {row['tokens_per_step_histogram']}" for row in overall_rows(rows))
+
+
 def render_table(rows) -> str:
     cells = [HEADERS] + _cells(rows)
     widths = [max(len(r[i]) for r in cells) for i in range(len(HEADERS))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in cells]
     lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
+    return "\n".join(lines + ["", render_histograms(rows)])
 
 
 def render_markdown(rows, meta) -> str:
     lines = ["| " + " | ".join(HEADERS) + " |", "|" + "---|" * len(HEADERS)]
     lines += ["| " + " | ".join(r) + " |" for r in _cells(rows)]
-    lines += ["", "tokens committed per step (histogram): " + "; ".join(
-        f"{row['method']}: {row['tokens_per_step_histogram']}" for row in rows if row["category"] == "all")]
+    lines += ["", render_histograms(rows)]
     lines += ["", "; ".join(f"{k}: {v}" for k, v in meta.items())]
     return "\n".join(lines) + "\n"
 
@@ -447,7 +458,7 @@ def plot(rows, path) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         raise MlxSpecError("--plot needs matplotlib: pip install 'mlx-spec[plot]'") from None
-    overall = [row for row in rows if row["category"] == "all"]
+    overall = overall_rows(rows)
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     categories = sorted({row["category"] for row in rows if row["category"] != "all"})
     methods = [row["method"] for row in overall]

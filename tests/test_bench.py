@@ -47,6 +47,19 @@ def test_lossless_counter_catches_a_divergent_method(tiny_dir, temp):
     assert rows[("broken", "all")]["first_differences"] == [5, 5, 5, 5]
 
 
+def test_a_single_category_run_prints_its_histogram(tiny_dir):
+    """One category has no "all" row: its own row is the whole, histogram included."""
+    target = load_target(tiny_dir, "float32")
+    engines = {"none": Engine(target), "lookup": Engine(target, LookupDrafter())}
+    records = bench.run_bench(target, engines, bench.load_prompts(None, ["code"]), max_tokens=8, repeats=1,
+                              sampling=SamplingParams(), seed=0)
+    rows = bench.summarize(records)
+    assert {row["category"] for row in rows} == {"code"}
+    for text in (bench.render_table(rows), bench.render_markdown(rows, {})):
+        line = next(line for line in text.splitlines() if line.startswith("tokens committed per step"))
+        assert line.split(": ", 1)[1].startswith("none: {1: ") and "; lookup: {" in line, line
+
+
 def test_interleaved_runs_are_timed_apart_in_turns():
     import time
 

@@ -26,29 +26,46 @@ def train():
 @click.option("--dtype", default="auto", show_default=True,
               help="Target dtype (auto: float32 on the CPU).")
 @click.option("--seed", type=int, default=0, show_default=True,
-              help="Order of the prompts (and the sampling noise when --temp > 0).")
+              help="Order of the assembled prompts (and the sampling noise when --temp > 0).")
 @click.option("--fixed-text", is_flag=True,
               help="Write installed packages' documentation and code as the answers instead (text the "
                    "target did not write: train with --labels soft); seconds, not a generation.")
+@click.option("--prompts-file", default=None,
+              help="Answer the prompts of this JSONL file (.gz: gzipped) instead of the assembled ones, in "
+                   "its order: rows {\"id\", \"prompt\"} or {\"id\", \"turns\": [...]} (or the bench's "
+                   "layout). Real prompts: benchmarks/training/real/prompts.jsonl.gz.")
+@click.option("--max-minutes", type=click.FloatRange(min=0), default=None,
+              help="Start no batch after this many minutes (run again to continue: resumable).")
 @reports_errors
-def data(model_path, out_dir, limit, max_tokens, batch_size, temp, dtype, seed, fixed_text):
-    """Answer assembled prompts with the target; resumable, with a held-out split."""
+def data(model_path, out_dir, limit, max_tokens, batch_size, temp, dtype, seed, fixed_text, prompts_file,
+         max_minutes):
+    """Answer assembled prompts (or --prompts-file's) with the target; resumable, with a held-out
+    split (a hash of each prompt's id)."""
     from ..api import model_path as resolve_model
     from ..models.target import load_target
-    from ..train.data import build_prompts, generate_data, write_fixed_text
+    from ..train.data import build_prompts, generate_data, load_prompts_file, write_fixed_text
 
+    if fixed_text and prompts_file:
+        raise click.UsageError("--fixed-text writes text, not answers to prompts: give it or --prompts-file")
+    # A file's prompts are answered in its order, a window of batches at a time (a run cut
+    # short has answered a sample of the file); the assembled ones all at once, shortest first.
+    prompts = load_prompts_file(prompts_file) if prompts_file else None
     target = load_target(resolve_model(model_path), dtype)
     if fixed_text:
         counts = write_fixed_text(target.tokenizer, out_dir, limit=limit, seed=seed)
         echo_err(f"{counts['written']} written, {counts['skipped']} already there, {counts['total']} texts -> "
                  f"{out_dir}: {counts['train']} in train.jsonl, {counts['heldout']} in heldout.jsonl")
         return
-    total = len(build_prompts(seed)[:limit])
+    total = len((build_prompts(seed) if prompts is None else prompts)[:limit])
     with click.progressbar(length=total, label="answering", file=sys.stderr) as bar:
         counts = generate_data(target, out_dir, limit=limit, max_tokens=max_tokens, batch_size=batch_size,
-                               temp=temp, seed=seed, progress=bar.update)
+                               temp=temp, seed=seed, progress=bar.update, prompts=prompts,
+                               window=None if prompts is None else 8 * batch_size, max_minutes=max_minutes)
     echo_err(f"{counts['written']} written, {counts['skipped']} already there, {counts['total']} prompts -> "
              f"{out_dir}: {counts['train']} in train.jsonl, {counts['heldout']} in heldout.jsonl")
+    if counts["stopped"]:
+        echo_err(f"stopped after --max-minutes {max_minutes:g}: {counts['stopped']} prompts left "
+                 "(run again to continue)")
     if counts["waiting"]:
         echo_err(f"{counts['waiting']} second turns wait for their first turn (beyond --limit)")
     if not counts["heldout"]:

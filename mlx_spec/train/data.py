@@ -7,16 +7,26 @@ standard-library documentation to summarize or rewrite, and everyday chat reques
 typed subjects), each with a second turn that follows the target's own first answer. Responses
 are generated in batches (mlx-lm's batch_generate), appended to JSONL as they come (resumable),
 and a stable hash of each prompt's id (a second turn: its first turn's) puts ~5% of them in a
-held-out split."""
+held-out split.
 
+A prompts file (`train data --prompts-file`, e.g. benchmarks/training/real/prompts.jsonl.gz:
+real instructions and conversations from public data sets, built by
+scripts/build_real_prompts.py) replaces the assembled sources: its prompts are answered in the
+file's order, a window at a time, so that an answering cut short (--max-minutes) has answered
+a sample of the file, not its shortest prompts."""
+
+import gzip
 import hashlib
 import inspect
 import json
 import random
 import re
 import textwrap
+import time
 from pathlib import Path
 from typing import Callable, Dict, Iterator, List, Optional
+
+from ..errors import MlxSpecError
 
 TOPICS = ["photosynthesis", "compound interest", "the water cycle", "how vaccines work", "black holes",
           "the French Revolution", "recursion in programming", "supply and demand", "plate tectonics",
@@ -280,8 +290,9 @@ def is_heldout(prompt_id: str, fraction: float = 0.05) -> bool:
 
 
 def split_of(prompt: Dict[str, str]) -> str:
-    """A second turn goes where its first turn went: its context is that turn's answer."""
-    return "heldout" if is_heldout(prompt.get("follows", prompt["id"])) else "train"
+    """A second turn goes where its first turn went: its context is that turn's answer (a
+    third turn and later: `first`, the conversation's first turn)."""
+    return "heldout" if is_heldout(prompt.get("first", prompt.get("follows", prompt["id"]))) else "train"
 
 
 def read_split(directory, split: str) -> List[dict]:
@@ -291,10 +302,61 @@ def read_split(directory, split: str) -> List[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+KINDS = ("chat", "instruction", "arithmetic", "code", "summary", "rewrite")
+
+
+def load_prompts_file(path) -> List[Dict[str, str]]:
+    """The prompts of a JSONL file (gzipped if its name ends in .gz), in its order: each row
+    {"id", "source", "kind", "prompt"} or a conversation {"id", ..., "turns": [user turns]},
+    whose turn i > 1 becomes the prompt "ID-i" that `follows` the one before it (answered after
+    it, with the target's answers as the context, in the first turn's split). The layout of
+    `mlx-spec bench --prompts` ({"question_id", "category", ...}) is read as well."""
+    path = Path(path)
+    opener = gzip.open if path.name.endswith(".gz") else open
+    prompts, seen = [], set()
+    try:
+        with opener(path, "rt", encoding="utf-8") as f:
+            lines = f.read().split("\n")   # not splitlines(): U+2028 may be in a string
+    except (OSError, UnicodeDecodeError) as e:
+        raise MlxSpecError(f"cannot read prompts {path}: {e}") from None
+    for number, line in enumerate(lines, start=1):
+        if line.strip():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise MlxSpecError(f"{path} line {number} is not JSON: {e.msg} (column {e.colno})") from None
+            if not isinstance(row, dict):
+                raise MlxSpecError(f"{path} line {number}: expected an object")
+            if "question_id" in row and "id" not in row:
+                row = dict(row, id=str(row["question_id"]), kind=row.get("category"), source=path.stem)
+            turns = row.get("turns") or [row.get("prompt")]
+            if not row.get("id") or not all(isinstance(t, str) and t for t in turns):
+                raise MlxSpecError(f"{path} line {number}: expected an 'id' and a 'prompt' or 'turns'")
+            base = {k: row[k] for k in ("source", "kind") if k in row}
+            previous = None
+            for i, text in enumerate(turns):
+                p = dict(base, id=row["id"] if i == 0 else f"{row['id']}-{i + 1}", prompt=text)
+                if previous:
+                    p["follows"] = previous
+                    if i > 1:
+                        p["first"] = row["id"]   # its split (split_of)
+                if p["id"] in seen:
+                    raise MlxSpecError(f"{path} line {number}: id {p['id']} appears twice")
+                seen.add(p["id"])
+                prompts.append(p)
+                previous = p["id"]
+    return prompts
+
+
 def generate_data(target, out_dir, limit: Optional[int] = None, max_tokens: int = 256, batch_size: int = 32,
-                  temp: float = 0.0, seed: int = 0, progress: Optional[Callable[[int], None]] = None) -> Dict[str, int]:
-    """Answer the prompts with the target; append to out_dir/{train,heldout}.jsonl. Prompts
-    already answered (by id) are skipped, so an interrupted run resumes."""
+                  temp: float = 0.0, seed: int = 0, progress: Optional[Callable[[int], None]] = None,
+                  prompts: Optional[List[Dict[str, str]]] = None, window: Optional[int] = None,
+                  max_minutes: Optional[float] = None) -> Dict[str, int]:
+    """Answer the prompts (default: build_prompts(seed)) with the target; append to
+    out_dir/{train,heldout}.jsonl. Prompts already answered (by id) are skipped, so an
+    interrupted run resumes. `window`: answer the prompts `window` at a time, in their order
+    (None: all at once). `max_minutes`: start no batch after that long; counts["stopped"] is
+    then the number of prompts left."""
     from mlx_lm import batch_generate
     from mlx_lm.sample_utils import make_sampler
 
@@ -303,49 +365,63 @@ def generate_data(target, out_dir, limit: Optional[int] = None, max_tokens: int 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     answered = {row["id"]: row for split in ("train", "heldout") for row in read_split(out_dir, split)}
-    prompts = build_prompts(seed)[:limit]
-    # Similar lengths share a batch: batch_generate left-pads every prompt to the longest.
-    todo = sorted((p for p in prompts if p["id"] not in answered), key=lambda p: len(p["prompt"]))
+    prompts = (build_prompts(seed) if prompts is None else prompts)[:limit]
+    pending = [p for p in prompts if p["id"] not in answered]
     mx.random.seed(seed)
     tokenizer = target.tokenizer
-    counts = {"skipped": len(prompts) - len(todo), "written": 0, "waiting": 0}
+    sampler = make_sampler(temp)
+    counts = {"skipped": len(prompts) - len(pending), "written": 0, "waiting": 0, "stopped": 0}
+    deadline = None if max_minutes is None else time.monotonic() + 60 * max_minutes
     if progress:
         progress(counts["skipped"])
 
-    def messages(p):   # None: a second turn whose first turn is not answered (cut by --limit)
-        first = answered.get(p["follows"]) if "follows" in p else None
-        if "follows" in p and first is None:
-            return None
-        context = [] if first is None else [{"role": "user", "content": first["prompt"]},
-                                            {"role": "assistant", "content": first["response"]}]
-        return context + [{"role": "user", "content": p["prompt"]}]
+    def context(p):   # the conversation before p; None: a turn before is not answered (cut by --limit)
+        if "follows" not in p:
+            return []
+        before = answered.get(p["follows"])
+        earlier = None if before is None else context(before)
+        return None if earlier is None else earlier + [{"role": "user", "content": before["prompt"]},
+                                                       {"role": "assistant", "content": before["response"]}]
 
     def context_length(p):
-        first = answered.get(p["follows"], {})
-        return len(first.get("prompt", "")) + len(first.get("response", ""))
+        return sum(len(m["content"]) for m in context(p) or [])
 
-    # Second turns after every first turn: they need its answer (and are sorted by its length).
-    for second in (False, True):
-        turn = [p for p in todo if ("follows" in p) == second]
-        turn = sorted(turn, key=context_length) if second else turn
-        for start in range(0, len(turn), batch_size):
-            batch = [(p, m) for p in turn[start:start + batch_size] if (m := messages(p)) is not None]
-            counts["waiting"] += len(turn[start:start + batch_size]) - len(batch)
-            if batch:
-                encoded = [tokenizer.apply_chat_template(m, add_generation_prompt=True) for _, m in batch]
-                result = batch_generate(target.model, tokenizer, encoded, max_tokens=max_tokens,
-                                        sampler=make_sampler(temp), return_token_ids=True,
-                                        completion_batch_size=batch_size, prefill_batch_size=min(batch_size, 8))
-                for (p, _), prompt_tokens, text, response_tokens in zip(batch, encoded, result.texts,
-                                                                         result.token_ids):
-                    row = dict(p, prompt_tokens=list(prompt_tokens), response=text,
-                               response_tokens=[int(t) for t in response_tokens])
-                    with open(out_dir / f"{split_of(p)}.jsonl", "a") as f:
-                        f.write(json.dumps(row) + "\n")
-                    answered[p["id"]] = row
-                    counts["written"] += 1
-            if progress:
-                progress(len(turn[start:start + batch_size]))
+    def answer(batch):
+        encoded = [tokenizer.apply_chat_template(context(p) + [{"role": "user", "content": p["prompt"]}],
+                                                 add_generation_prompt=True) for p in batch]
+        result = batch_generate(target.model, tokenizer, encoded, max_tokens=max_tokens, sampler=sampler,
+                                return_token_ids=True, completion_batch_size=batch_size,
+                                prefill_batch_size=min(batch_size, 8))
+        for p, prompt_tokens, text, response_tokens in zip(batch, encoded, result.texts, result.token_ids):
+            row = dict(p, prompt_tokens=list(prompt_tokens), response=text,
+                       response_tokens=[int(t) for t in response_tokens])
+            with open(out_dir / f"{split_of(p)}.jsonl", "a") as f:
+                f.write(json.dumps(row) + "\n")
+            answered[p["id"]] = row
+            counts["written"] += 1
+
+    windows = [pending[i:i + window] for i in range(0, len(pending), window)] if window else [pending]
+    for todo in windows:
+        # Similar lengths share a batch: batch_generate left-pads every prompt to the longest.
+        todo = sorted(todo, key=lambda p: len(p["prompt"]))
+        # A turn that follows another comes after it (it needs its answer as context); those are
+        # sorted by the length of their context.
+        turn, later = [p for p in todo if "follows" not in p], [p for p in todo if "follows" in p]
+        while turn and not counts["stopped"]:
+            for start in range(0, len(turn), batch_size):
+                if deadline is not None and time.monotonic() > deadline:
+                    counts["stopped"] = len(pending) - counts["written"]
+                    break
+                answer(turn[start:start + batch_size])
+                if progress:
+                    progress(len(turn[start:start + batch_size]))
+            turn = sorted((p for p in later if p["follows"] in answered), key=context_length)
+            later = [p for p in later if p["follows"] not in answered]
+        if counts["stopped"]:
+            break
+        counts["waiting"] += len(later)   # their first turn is not among the prompts (--limit)
+        if progress and later:
+            progress(len(later))
     counts["total"] = len(prompts)
     for split in ("train", "heldout"):
         counts[split] = len(read_split(out_dir, split))
