@@ -51,6 +51,7 @@ def resolve(name, revision: Optional[str] = None, what: str = "model") -> Path:
         offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
         why = "HF_HUB_OFFLINE is set" if offline else "the hub could not be reached"
         raise MlxSpecError(f"{what} {name}{at} is not in the Hugging Face cache and {why}: download it "
-                           f"once online (`hf download {name}`), or give a local directory") from None
+                           f"once online (`hf download {name}{' --revision ' + revision if revision else ''}`), "
+                           "or give a local directory") from None
     except OSError as e:  # network and disk errors
         raise MlxSpecError(f"cannot fetch {what} {name}{at}: {str(e).splitlines()[0] if str(e) else e}") from None

@@ -122,7 +122,7 @@ def test_shipped_drafter_is_used_by_default_and_is_lossless(target, method):
 
 
 def test_no_shipped_drafter_for_another_model(target, tmp_path):
-    with pytest.raises(MlxSpecError, match="needs --draft-model"):
+    with pytest.raises(MlxSpecError, match="needs a drafter: --draft-model PATH"):
         make_drafter("eagle", Target(target.model, target.tokenizer, target.config, path=str(tmp_path)),
                      {})
 
@@ -154,19 +154,62 @@ def test_seed_reproduces_sampled_text_whatever_the_source(target, method, option
     mx.clear_cache()
 
 
-def test_the_default_model_converted_elsewhere_gets_the_shipped_drafters(target, tmp_path):
-    """`convert --gguf` of the packaged file to another directory is still the default model (its
-    conversion record names the file and its size); another model is told where they are."""
-    import json
+def default_copy(directory: Path, **config_changes) -> Path:
+    """A copy of the default model as another conversion holds it: the Hugging Face checkpoint's
+    config (no quantization, a torch_dtype), its tokenizer, no conversion record."""
+    source = default_model_path()
+    directory.mkdir(parents=True, exist_ok=True)
+    config = json.loads((source / "config.json").read_text())
+    config = {k: v for k, v in config.items() if not k.startswith("quantization")}
+    config.update(torch_dtype="bfloat16", **config_changes)
+    (directory / "config.json").write_text(json.dumps(config))
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        (directory / name).write_bytes((source / name).read_bytes())
+    return directory
 
-    from mlx_spec.models.default import find_default_gguf, is_default_model
 
-    gguf = find_default_gguf()
-    record = {"source": str(tmp_path / "copy" / gguf.name), "source_size": gguf.stat().st_size}
-    (tmp_path / "mlx_spec_conversion.json").write_text(json.dumps(record))
-    assert is_default_model(tmp_path)
-    record["source_size"] += 1
-    (tmp_path / "mlx_spec_conversion.json").write_text(json.dumps(record))
-    assert not is_default_model(tmp_path)
-    with pytest.raises(MlxSpecError, match=f"default model SmolLM2-135M-Instruct only: {SHIPPED_DRAFTERS / 'eagle'}"):
-        make_drafter("eagle", Target(target.model, target.tokenizer, target.config, path=str(tmp_path)), {})
+def test_the_default_model_is_recognised_by_what_it_is(target, tmp_path):
+    """Another copy of the default model (another dtype, another directory, the hub cache) gets the
+    shipped drafters: recognised by its architecture and its tokenizer's vocabulary, not where
+    it was converted; another model is told where they are, in the CLI's and Python's words."""
+    from mlx_spec.models.default import (DEFAULT_VOCABULARY_HASH, is_default_model,
+                                         tokenizer_vocabulary_hash)
+
+    assert tokenizer_vocabulary_hash(default_model_path()) == DEFAULT_VOCABULARY_HASH
+    assert is_default_model(default_copy(tmp_path / "copy"))
+    assert not is_default_model(default_copy(tmp_path / "deeper", num_hidden_layers=32))
+    other_vocabulary = default_copy(tmp_path / "retokenized")
+    tokenizer = json.loads((other_vocabulary / "tokenizer.json").read_text())
+    vocab = tokenizer["model"]["vocab"]
+    vocab["hello-token"] = vocab.pop(next(iter(vocab)))
+    (other_vocabulary / "tokenizer.json").write_text(json.dumps(tokenizer))
+    assert not is_default_model(other_vocabulary)
+    assert not is_default_model(tmp_path)   # no config at all
+    with pytest.raises(MlxSpecError, match=r"--draft-model PATH \(Python: draft_model=PATH\).*default model "
+                                           f"SmolLM2-135M-Instruct only: {SHIPPED_DRAFTERS / 'eagle'}"):
+        make_drafter("eagle", Target(target.model, target.tokenizer, target.config, path=str(other_vocabulary)),
+                     {})
+
+
+def test_the_default_model_by_hub_id_drafts_with_the_shipped_drafter(tmp_path):
+    """The default model's weights in a hub cache (HF_HUB_OFFLINE=1) as
+    HuggingFaceTB/SmolLM2-135M-Instruct: --draft eagle needs no --draft-model there."""
+    import os
+    import subprocess
+    import sys
+
+    from test_hub import hub_cache
+
+    files = default_copy(tmp_path / "files")
+    config = json.loads((default_model_path() / "config.json").read_text())   # the weights are the 4-bit ones
+    config.update(json.loads((files / "config.json").read_text()))
+    (files / "config.json").write_text(json.dumps(config))
+    (files / "model.safetensors").symlink_to(default_model_path() / "model.safetensors")
+    cache = hub_cache(tmp_path / "cache", "HuggingFaceTB/SmolLM2-135M-Instruct", files)
+    env = dict(os.environ, HF_HUB_CACHE=str(cache), HF_HUB_OFFLINE="1")
+    result = subprocess.run([sys.executable, "-m", "mlx_spec.cli", "generate", "What is 7 times 8?", "-m", "16",
+                             "--json", "--draft", "eagle", "--fixed",
+                             "--model", "HuggingFaceTB/SmolLM2-135M-Instruct"],
+                            capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["stats"]["accepted"] > 0

@@ -322,4 +322,4 @@ def test_bad_directories(tmp_path, qwen3):
 
 
 def test_factory_needs_a_drafter_path(qwen3):
-    expect_error("needs --draft-model", lambda: make_drafter("dflash", qwen3, dict(sampling=SamplingParams())))
+    expect_error("needs a drafter: --draft-model PATH", lambda: make_drafter("dflash", qwen3, dict(sampling=SamplingParams())))

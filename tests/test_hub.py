@@ -89,6 +89,7 @@ def test_resolve_reads_the_cache_offline(offline, tmp_path):
     assert results[2] == ["ok", str(tmp_path)]   # an existing path wins
     assert results[3][0] == "error" and "not in the Hugging Face cache and HF_HUB_OFFLINE is set" in results[3][1]
     assert results[4][0] == "error" and "at revision v9" in results[4][1]
+    assert "`hf download org/tiny-chat --revision v9`" in results[4][1]
     assert results[5][0] == "error" and "neither a directory nor a Hugging Face repo id" in results[5][1]
 
 

@@ -108,7 +108,8 @@ def _draft_model(target, options: CheckpointOptions):
     from .draft_model import DraftModelDrafter, check_same_vocabulary
 
     if not options.draft_model:
-        raise MlxSpecError("--draft model needs --draft-model PATH (a small mlx-lm model)")
+        raise MlxSpecError("--draft model needs a draft model: --draft-model PATH (Python: draft_model=PATH), "
+                           "a small mlx-lm model with the target's tokenizer")
     check_kind(options.draft_model, "model")
     draft = load_target(options.draft_model, options.dtype)
     check_same_vocabulary(target, draft)
@@ -121,8 +122,9 @@ def _drafter_path(method: str, target, options: CheckpointOptions, what: str, sh
 
     path = options.draft_model or shipped_drafter(shipped or method, target.path)
     if not path:
-        raise MlxSpecError(f"--draft {method} needs --draft-model PATH ({what}); one ships for the default "
-                           f"model SmolLM2-135M-Instruct only: {SHIPPED_DRAFTERS / (shipped or method)}")
+        raise MlxSpecError(f"--draft {method} needs a drafter: --draft-model PATH (Python: draft_model=PATH), "
+                           f"{what}; one ships for the default model SmolLM2-135M-Instruct only: "
+                           f"{SHIPPED_DRAFTERS / (shipped or method)}")
     check_kind(path, method)
     return path
 

@@ -4,6 +4,7 @@ convert/default.py), and the drafters shipped for it."""
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import os
@@ -38,18 +39,40 @@ def models_dir() -> Path:
 SHIPPED_DRAFTERS = Path(__file__).resolve().parent.parent / "shipped" / "smollm2-135m-instruct"
 
 
+# What the default model is, whatever copy of it a directory holds (the packaged GGUF converted
+# here, the Hugging Face checkpoint in the hub cache, a conversion to another dtype): its
+# architecture, and a hash of its tokenizer's vocabulary (tests/test_default_model.py checks
+# both against the converted default model).
+DEFAULT_ARCHITECTURE = {"model_type": "llama", "hidden_size": 576, "num_hidden_layers": 30,
+                        "intermediate_size": 1536, "num_attention_heads": 9, "num_key_value_heads": 3,
+                        "vocab_size": 49152}
+DEFAULT_VOCABULARY_HASH = "450fd25da1a689ff"
+
+
+def tokenizer_vocabulary_hash(path) -> Optional[str]:
+    """A hash of the vocabulary in `path`/tokenizer.json (token -> id), None where there is none."""
+    try:
+        vocab = json.loads((Path(path) / "tokenizer.json").read_text())["model"]["vocab"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if not isinstance(vocab, dict):
+        return None
+    return hashlib.sha256(json.dumps(sorted(vocab.items())).encode()).hexdigest()[:16]
+
+
 def is_default_model(path) -> bool:
-    """Whether `path` is a conversion of the default model: made by default_model_path, or by
-    `convert --gguf` from the same file (its conversion record names it, with its size)."""
+    """Whether `path` holds the default model: made by default_model_path, or a directory whose
+    config has the default model's architecture and whose tokenizer has its vocabulary."""
     path = Path(path).resolve()
     if path.parent == models_dir().resolve() and path.name.startswith(DEFAULT_MODEL_NAME):
         return True
     try:
-        record = json.loads((path / "mlx_spec_conversion.json").read_text())
-        source = Path(str(record["source"]))
-        return source.name == DEFAULT_GGUF_FILE and record.get("source_size") == find_default_gguf().stat().st_size
-    except (OSError, ValueError, KeyError, TypeError, MlxSpecError):
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
         return False
+    if not isinstance(config, dict) or any(config.get(k) != v for k, v in DEFAULT_ARCHITECTURE.items()):
+        return False
+    return tokenizer_vocabulary_hash(path) == DEFAULT_VOCABULARY_HASH
 
 
 def shipped_drafter(method: str, model_path) -> Optional[Path]:
