@@ -139,7 +139,18 @@ class GenerationResponse:
     stats: Optional[Stats] = None
 
 
+def is_conversation(prompt) -> bool:
+    """A chat's messages ([{"role": ..., "content": ...}, ...]) rather than text or token ids."""
+    return isinstance(prompt, (list, tuple)) and bool(prompt) and all(isinstance(m, dict) for m in prompt)
+
+
 def _encode(tokenizer, prompt) -> List[int]:
+    """Token ids of a prompt: text encoded as it is (as mlx-lm does: no chat template), token
+    ids as they are, a list of messages through the chat template."""
+    if is_conversation(prompt):
+        if not getattr(tokenizer, "chat_template", None):
+            raise MlxSpecError("this model has no chat template: give the prompt as text or token ids")
+        return list(tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True))
     if isinstance(prompt, str):
         # As mlx-lm: a prompt that already starts with the BOS token gets no second one.
         bos = getattr(tokenizer, "bos_token", None)
@@ -195,10 +206,14 @@ def sampling_and_seed(model: Engine, seed: Optional[int], sampling: dict):
     return params, (secrets.randbits(32) if seed is None and model.seed is None else seed)
 
 
-def stream_generate(model: Engine, tokenizer, prompt: Union[str, Sequence[int]], max_tokens: int = 256,
+Prompt = Union[str, Sequence[int], Sequence[dict]]
+
+
+def stream_generate(model: Engine, tokenizer, prompt: Prompt, max_tokens: int = 256,
                     stop: Sequence[str] = (), seed: Optional[int] = None, **sampling) -> Iterator[GenerationResponse]:
     """Yield a GenerationResponse per generated token (text segments as they are committed).
-    prompt: text (encoded as is: apply the chat template first for a chat model) or token ids.
+    prompt: a list of messages (the chat template applied), text (encoded as is, as mlx-lm
+    does: no chat template) or token ids.
     seed: the same seed gives the same sampled text whatever the draft source (default: a
     fresh one per call, in the last response's stats)."""
     params, seed = sampling_and_seed(model, seed, sampling)
@@ -215,13 +230,13 @@ class BatchResponse:
     stats: List[Stats]            # each generation's, in the same order
 
 
-def batch_generate(model: Engine, tokenizer, prompts: Sequence[Union[str, Sequence[int]]], max_tokens: int = 256,
+def batch_generate(model: Engine, tokenizer, prompts: Sequence[Prompt], max_tokens: int = 256,
                    max_batch: int = 8, stop: Sequence[str] = (), seed: Optional[int] = None,
                    **sampling) -> BatchResponse:
     """Generate for several prompts at once, as mlx-lm's batch_generate: up to max_batch share
     each target pass (continuous batching: a prompt starts as another finishes), each with the
     engine's draft source, each what `generate` alone would write (prompt i samples with seed
-    + i). The engine and max_batch - 1 copies of it (the same weights) serve the rows."""
+    + i); each prompt as `generate` takes it (messages, text or token ids). The engine and max_batch - 1 copies of it (the same weights) serve the rows."""
     from .batch import BatchEngine
 
     params, seed = sampling_and_seed(model, seed, sampling)
@@ -239,7 +254,7 @@ def batch_generate(model: Engine, tokenizer, prompts: Sequence[Union[str, Sequen
     return BatchResponse(["".join(t) for t in texts], stats)
 
 
-def generate(model: Engine, tokenizer, prompt: Union[str, Sequence[int]], verbose: bool = False, **kwargs) -> str:
+def generate(model: Engine, tokenizer, prompt: Prompt, verbose: bool = False, **kwargs) -> str:
     """The whole reply as text (kwargs as stream_generate's). verbose: print it as it comes,
     then the statistics, as mlx_lm.generate does."""
     text = []

@@ -94,3 +94,20 @@ def test_batch_generate_writes_what_generate_writes(model_dir):
     sampled = batch_generate(model, tokenizer, prompts, max_tokens=10, max_batch=2, temp=0.9, seed=5)
     assert sampled.texts == [generate(model, tokenizer, p, max_tokens=10, temp=0.9, seed=5 + i)
                              for i, p in enumerate(prompts)]
+
+
+def test_a_list_of_messages_gets_the_chat_template(model_dir):
+    """generate, stream_generate and batch_generate take messages as a chat does (the README's
+    batch example gave a raw string to a chat model, which then saw no template)."""
+    from mlx_spec import batch_generate
+
+    model, tokenizer = load(str(model_dir), draft="lookup")
+    conversations = [[{"role": "user", "content": "Tell me a story"}],
+                     [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a planet."}]]
+    templated = [tokenizer.apply_chat_template(c, add_generation_prompt=True) for c in conversations]
+    alone = [generate(model, tokenizer, t, max_tokens=10) for t in templated]
+    assert [generate(model, tokenizer, c, max_tokens=10) for c in conversations] == alone
+    assert "".join(r.text for r in stream_generate(model, tokenizer, conversations[1], max_tokens=10)) == alone[1]
+    assert batch_generate(model, tokenizer, conversations, max_tokens=10).texts == alone
+    raw = generate(model, tokenizer, "Name a planet.", max_tokens=10)   # text: encoded as it is
+    assert raw == generate(model, tokenizer, tokenizer.encode("Name a planet."), max_tokens=10)
