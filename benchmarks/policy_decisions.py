@@ -29,4 +29,4 @@ for method in sys.argv[1:]:
                 out.append(ev[1])
             if ev[0] == "done":
                 s = ev[1]
-                print(method, len(out), s.steps, s.plain_steps, s.proposed, s.accepted, s.drafted, hash(tuple(out)) % 10**8, flush=True)
+                print(method, len(out), s.steps, s.plain_steps, s.verified_drafts, s.accepted_drafts, s.drafted_tokens, hash(tuple(out)) % 10**8, flush=True)

@@ -41,8 +41,8 @@ def main():
             proposed = accepted = committed = steps = 0
             for prompt in prompts:
                 stats = [e[1] for e in engine.generate(prompt, max_tokens=args.max_tokens) if e[0] == "done"][0]
-                proposed, accepted = proposed + stats.proposed, accepted + stats.accepted
-                committed, steps = committed + stats.committed, steps + stats.steps
+                proposed, accepted = proposed + stats.verified_drafts, accepted + stats.accepted_drafts
+                committed, steps = committed + stats.committed_tokens, steps + stats.steps
             print(f"{method} k={k} temp {args.temp} {'residual' if residual else 'seeded  '} rule: "
                   f"acceptance {accepted / proposed:.1%}, tau {committed / steps:.2f} "
                   f"({len(prompts)} prompts x {args.max_tokens} tokens)", flush=True)

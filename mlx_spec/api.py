@@ -128,7 +128,7 @@ class GenerationResponse:
     token: Optional[int]           # None only where the reply ended before its first token
     from_draft: bool               # an accepted draft, not the target's own token
     prompt_tokens: int
-    prompt_tps: float
+    prompt_tps: Optional[float]    # None: no prompt token computed apart from the first step's
     generation_tokens: int
     generation_tps: float
     peak_memory: float             # GB
@@ -292,12 +292,13 @@ def stats_line(stats, speculative: bool = True, sampled: bool = False) -> str:
         parts.append(f"{count(stats.steps, 'step')} (no drafting)")
     else:
         committed = ""
-        if stats.committed != stats.generated_tokens:
+        if stats.committed_tokens != stats.generated_tokens:
             eos = ", end of text included" if stats.finish_reason == "eos" else ""
-            committed = f" ({stats.committed} committed{eos})"
+            committed = f" ({stats.committed_tokens} committed{eos})"
         parts.append(f"{count(stats.steps, 'step')}, {stats.tokens_per_step:.2f} tokens/step{committed}")
-        parts.append(f"drafts: {stats.proposed} checked, {stats.accepted} accepted ({stats.acceptance_rate:.0%}); "
-                     f"{count(stats.plain_steps, 'step')} checked none" if stats.proposed else "drafts: none checked")
+        parts.append(f"drafts: {stats.verified_drafts} verified, {stats.accepted_drafts} accepted "
+                     f"({stats.acceptance_rate:.0%}); {count(stats.plain_steps, 'plain step')} (no draft verified)"
+                     if stats.verified_drafts else "drafts: none verified")
     if sampled:
         parts.append(f"seed {stats.seed}")
     return " | ".join(parts)

@@ -45,8 +45,8 @@ class Record:
     seconds: float
     steps: int = 0
     plain_steps: int = 0                  # steps that verified no draft
-    proposed: int = 0
-    accepted: int = 0
+    verified_drafts: int = 0
+    accepted_drafts: int = 0
     baseline_tokens: int = 0
     baseline_seconds: float = 0.0
     identical: Optional[bool] = None      # token-identical to the baseline (None: not comparable)
@@ -258,8 +258,8 @@ def run_bench(target, engines: Dict[str, object], items, max_tokens, repeats, sa
                     records.append(Record(
                         method=name, category=item["category"], question_id=item["question_id"],
                         turn=turn, repeat=repeat, generated_tokens=len(run["tokens"]), seconds=seconds,
-                        steps=stats.steps, plain_steps=stats.plain_steps, proposed=stats.proposed,
-                        accepted=stats.accepted,
+                        steps=stats.steps, plain_steps=stats.plain_steps, verified_drafts=stats.verified_drafts,
+                        accepted_drafts=stats.accepted_drafts,
                         baseline_tokens=len(base_tokens), baseline_seconds=base_seconds,
                         identical=(diff is None) if compared else None,
                         first_difference=diff if compared else None,
@@ -352,7 +352,8 @@ def run_concurrent(target, engines: Dict[str, object], items, max_tokens, repeat
                 records.append(Record(
                     method=name, category="all", question_id=item["question_id"], turn=0, repeat=repeat,
                     generated_tokens=len(result["tokens"]), seconds=spent, steps=stats.steps,
-                    plain_steps=stats.plain_steps, proposed=stats.proposed, accepted=stats.accepted,
+                    plain_steps=stats.plain_steps, verified_drafts=stats.verified_drafts,
+                    accepted_drafts=stats.accepted_drafts,
                     baseline_tokens=len(reference["tokens"]), baseline_seconds=base_spent,
                     identical=(diff is None) if sampling.greedy else None,
                     first_difference=diff if sampling.greedy else None,
@@ -386,7 +387,7 @@ def summarize(records: List[Record]) -> List[dict]:
         tokens = sum(r.generated_tokens for r in rs)
         steps = sum(r.steps for r in rs)
         committed = sum(k * v for r in rs for k, v in r.tokens_per_step_histogram.items())
-        proposed = sum(r.proposed for r in rs)
+        verified = sum(r.verified_drafts for r in rs)
         histogram = Counter()
         for r in rs:
             histogram.update(r.tokens_per_step_histogram)
@@ -398,10 +399,10 @@ def summarize(records: List[Record]) -> List[dict]:
             speedup=statistics.median(x for _, _, x in per_repeat),
             speedup_per_repeat=[x for _, _, x in per_repeat],
             tokens_per_step=committed / steps if steps else 0.0,
-            mean_draft_length=proposed / steps if steps else 0.0,
+            verified_drafts_per_step=verified / steps if steps else 0.0,
             plain_steps=sum(r.plain_steps for r in rs),
             plain_step_share=sum(r.plain_steps for r in rs) / steps if steps else 0.0,
-            acceptance_rate=sum(r.accepted for r in rs) / proposed if proposed else None,   # no drafts: n/a
+            acceptance_rate=sum(r.accepted_drafts for r in rs) / verified if verified else None,   # no drafts: n/a
             identical=f"{sum(r.identical for r in checked)}/{len(checked)}" if checked else "n/a",
             first_differences=[r.first_difference for r in checked if not r.identical],
             tokens_per_step_histogram=dict(sorted(histogram.items()))))
@@ -412,7 +413,7 @@ def summarize(records: List[Record]) -> List[dict]:
 
 COLUMNS = [("method", "{}"), ("category", "{}"), ("tokens_per_second", "{:.1f}"),
            ("baseline_tokens_per_second", "{:.1f}"), ("speedup", "{:.2f}x"),
-           ("tokens_per_step", "{:.2f}"), ("acceptance_rate", "{:.0%}"), ("mean_draft_length", "{:.2f}"),
+           ("tokens_per_step", "{:.2f}"), ("acceptance_rate", "{:.0%}"), ("verified_drafts_per_step", "{:.2f}"),
            ("plain_step_share", "{:.0%}"), ("identical", "{}")]
 HEADERS = ["method", "category", "tok/s", "mlx-lm tok/s", "speedup", "tau", "acceptance", "drafts/step",
            "plain steps", "identical"]

@@ -33,50 +33,73 @@ PREFILL_CHUNK = 2048   # mlx-lm's prefill_step_size
 UNKNOWN_TOKEN = -1     # a cached position whose token is not known (Engine.resume)
 
 
+# Every statistic of a generation, defined once: `generate --json` writes these keys in this
+# order, the README's table lists them, the server's usage and bench read the same names.
+STATISTICS = {
+    "prompt_tokens": "tokens in the prompt",
+    "prompt_cached": "prompt tokens whose K/V the cache already held (an earlier call or request)",
+    "prompt_seconds": "seconds computing the other prompt tokens but the last (the first step feeds it)",
+    "prompt_tokens_per_second": "those tokens per second; null where there were none (a one-token prompt, "
+                                "or a prompt the cache held but its last token)",
+    "generated_tokens": "tokens of the reply (an end-of-text token that ends it is not one)",
+    "generate_seconds": "seconds from the end of the prompt to the end of the reply",
+    "tokens_per_second": "generated_tokens / generate_seconds",
+    "steps": "verification steps: target passes over [last token + the drafts kept]",
+    "plain_steps": "steps that verified no draft (the policy judged drafting not worth it, or nothing was drafted)",
+    "committed_tokens": "tokens the steps committed: accepted drafts + one target token per step (an "
+                        "end-of-text token included)",
+    "tokens_per_step": "committed_tokens / steps (tau; plain decoding: 1)",
+    "drafted_tokens": "tokens the drafter proposed, verified or not (a tree's nodes; the policy verifies "
+                      "only those that pay)",
+    "verified_drafts": "drafted tokens a step verified",
+    "verified_drafts_per_step": "verified_drafts / steps",
+    "accepted_drafts": "verified drafts the target accepted (each a token committed without a pass of its own)",
+    "acceptance_rate": "accepted_drafts / verified_drafts",
+    "seed": "the seed that repeats a sampled reply (with the same prompt and settings)",
+    "finish_reason": "eos (end of text), stop (a stop string), length (max tokens) or interrupted",
+}
+
+
 @dataclass
 class Stats:
+    """A generation's record (STATISTICS defines each figure)."""
     prompt_tokens: int = 0
-    prompt_cached: int = 0      # prompt tokens whose K/V the cache kept from an earlier call
-    prompt_seconds: float = 0.0 # computing the others (but the last, which the first step feeds)
+    prompt_cached: int = 0
+    prompt_seconds: float = 0.0
     generated_tokens: int = 0
-    committed: int = 0          # tokens committed by verification steps (EOS included)
+    committed_tokens: int = 0
     steps: int = 0
-    plain_steps: int = 0        # steps that verified no draft
-    drafted: int = 0            # draft tokens the drafter proposed (a tree's nodes)
-    proposed: int = 0           # drafts verified
-    accepted: int = 0
+    plain_steps: int = 0
+    drafted_tokens: int = 0
+    verified_drafts: int = 0
+    accepted_drafts: int = 0
     generate_seconds: float = 0.0
     finish_reason: str = ""
-    seed: int = 0               # repeats a sampled output (with the same settings and prompt)
+    seed: int = 0
 
     @property
     def tokens_per_step(self) -> float:
-        return self.committed / self.steps if self.steps else 0.0
+        return self.committed_tokens / self.steps if self.steps else 0.0
 
     @property
-    def mean_draft_length(self) -> float:
-        """Drafts verified per step."""
-        return self.proposed / self.steps if self.steps else 0.0
+    def verified_drafts_per_step(self) -> float:
+        return self.verified_drafts / self.steps if self.steps else 0.0
 
     @property
     def acceptance_rate(self) -> float:
-        return self.accepted / self.proposed if self.proposed else 0.0
+        return self.accepted_drafts / self.verified_drafts if self.verified_drafts else 0.0
 
     @property
     def tokens_per_second(self) -> float:
         return self.generated_tokens / self.generate_seconds if self.generate_seconds else 0.0
 
     @property
-    def prompt_tokens_per_second(self) -> float:
-        """Prompt tokens computed (not cached) per second."""
+    def prompt_tokens_per_second(self) -> Optional[float]:
         computed = self.prompt_tokens - self.prompt_cached - 1
-        return computed / self.prompt_seconds if computed > 0 and self.prompt_seconds else 0.0
+        return computed / self.prompt_seconds if computed > 0 and self.prompt_seconds else None
 
     def as_dict(self) -> dict:
-        d = asdict(self)
-        d.update(tokens_per_step=self.tokens_per_step, acceptance_rate=self.acceptance_rate,
-                 mean_draft_length=self.mean_draft_length, tokens_per_second=self.tokens_per_second)
-        return d
+        return {name: getattr(self, name) for name in STATISTICS}
 
 
 @dataclass
@@ -473,10 +496,10 @@ class Engine:
                 accepted = step.accepted
                 stats.steps += 1
                 stats.plain_steps += not step.drafts
-                stats.drafted += step.proposed
-                stats.proposed += len(step.drafts)
-                stats.accepted += len(accepted)
-                stats.committed += len(accepted) + 1
+                stats.drafted_tokens += step.proposed
+                stats.verified_drafts += len(step.drafts)
+                stats.accepted_drafts += len(accepted)
+                stats.committed_tokens += len(accepted) + 1
                 yield ("step", len(step.drafts), len(accepted))
 
                 for token in accepted + [step.next_token]:   # EOS, a stop string or the limit may

@@ -142,7 +142,7 @@ def main(arch, sharding, out, workdir):
         second, _ = run(engine, follow_up, TOKENS)
         sampled = run(engine, PROMPT, TOKENS, sampling=SamplingParams(temp=1.0), seed=SEED)[0]
         results["cases"][name] = dict(first=first, second=second, follow_up=follow_up, sampled=sampled,
-                                      proposed=stats.proposed, drafts=drafts)
+                                      proposed=stats.verified_drafts, drafts=drafts)
     channel.send(STOP)
     if quantized is not None:
         engine = SplitEngine(target, None, channel, kv_quantization=kv_quantization)

@@ -27,8 +27,8 @@ def test_stream_generate_is_lossless_and_reports_speculation(model_dir):
     assert last.finish_reason == "length" and [r.finish_reason for r in responses[:-1]] == [None] * 19
     assert last.generation_tokens == 20 and last.prompt_tokens == len(prompt)
     # A model drafting for itself: every draft is accepted, 4 tokens per step.
-    assert last.stats.accepted == last.stats.proposed > 0 and last.tokens_per_step == 4.0
-    assert sum(r.from_draft for r in responses) == last.stats.accepted
+    assert last.stats.accepted_drafts == last.stats.verified_drafts > 0 and last.tokens_per_step == 4.0
+    assert sum(r.from_draft for r in responses) == last.stats.accepted_drafts
     import mlx_lm
 
     reference = list(mlx_lm.stream_generate(model.target.model, tokenizer, prompt, max_tokens=20))
@@ -90,7 +90,7 @@ def test_batch_generate_writes_what_generate_writes(model_dir):
     alone = [generate(model, tokenizer, p, max_tokens=14, stop=[stop]) for p in prompts]
     batched = batch_generate(model, tokenizer, prompts, max_tokens=14, max_batch=2, stop=[stop])
     assert batched.texts == alone and batched.stats[1].finish_reason == "stop"
-    assert all(s.accepted == s.proposed > 0 for s in batched.stats)
+    assert all(s.accepted_drafts == s.verified_drafts > 0 for s in batched.stats)
     sampled = batch_generate(model, tokenizer, prompts, max_tokens=10, max_batch=2, temp=0.9, seed=5)
     assert sampled.texts == [generate(model, tokenizer, p, max_tokens=10, temp=0.9, seed=5 + i)
                              for i, p in enumerate(prompts)]

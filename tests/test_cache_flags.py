@@ -113,8 +113,8 @@ def test_a_bounded_cache_equals_mlx_lm_past_its_size(tmp_path, source, prompt):
     tokens, stats = run(engine, prompt, 48)
     assert tokens == mlx_lm_bounded(target.model, prompt, 48)
     assert all(type(c).__name__ == "BoundedKVCache" for c in engine.cache)
-    assert source in ("none", "draft-model", "eagle", "dflash") or stats.accepted > 0
-    assert source == "none" or stats.proposed > 0
+    assert source in ("none", "draft-model", "eagle", "dflash") or stats.accepted_drafts > 0
+    assert source == "none" or stats.verified_drafts > 0
 
 
 def test_a_bounded_conversation_and_seeded_sampling_equal_draft_none():
@@ -183,7 +183,7 @@ def test_trees_over_a_bounded_cache_equal_mlx_lm_past_its_size(tmp_path, source)
     engine = Engine(target, drafter, num_draft_tokens=4, adaptive=False, max_kv_size=WINDOW)
     tokens, stats = run(engine, LONG_PROMPT, 48)
     assert tokens == expected
-    assert stats.drafted > 0 and (source != "scripted" or stats.tokens_per_step > 3)
+    assert stats.drafted_tokens > 0 and (source != "scripted" or stats.tokens_per_step > 3)
     if source == "eagle-tree":   # seeded sampling: what --draft none --seed S prints
         params = SamplingParams(temp=1.0)
         plain = run(Engine(target, max_kv_size=WINDOW, sampling=params, seed=3), LONG_PROMPT, 40)[0]

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 from tiny import save_model, tiny_config, tiny_model
@@ -36,16 +37,19 @@ def test_generate_json_matches_the_stream():
     assert code == 0, err
     result = json.loads(out)
     assert set(result) == {"text", "tokens", "stats"}
-    assert set(result["stats"]) == {"prompt_tokens", "prompt_cached", "generated_tokens", "committed", "steps",
-                                    "tokens_per_step", "proposed", "accepted", "acceptance_rate",
-                                    "tokens_per_second", "prompt_seconds", "generate_seconds", "seed",
-                                    "mean_draft_length", "plain_steps", "drafted", "finish_reason"}
+    from mlx_spec.engine import STATISTICS
+
+    assert list(result["stats"]) == list(STATISTICS)   # every figure, defined once
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    for name, definition in STATISTICS.items():   # and the README's table defines each one so
+        assert f"| `{name}` | {definition} |" in readme, name
     stats = result["stats"]
     assert stats["generated_tokens"] == len(result["tokens"]) <= 24
     # The figures add up: tokens per step counts what the steps committed.
-    assert stats["tokens_per_step"] == pytest.approx(stats["committed"] / stats["steps"])
-    assert stats["committed"] == stats["steps"] + stats["accepted"]
-    assert stats["acceptance_rate"] == pytest.approx(stats["accepted"] / max(stats["proposed"], 1))
+    assert stats["tokens_per_step"] == pytest.approx(stats["committed_tokens"] / stats["steps"])
+    assert stats["committed_tokens"] == stats["steps"] + stats["accepted_drafts"]
+    assert stats["acceptance_rate"] == pytest.approx(stats["accepted_drafts"] / max(stats["verified_drafts"], 1))
+    assert stats["verified_drafts"] <= stats["drafted_tokens"]
     code, streamed, err = cli(["generate", "List three fruits.", "--max-tokens", "24", "--draft", "none"])
     assert code == 0
     assert streamed.strip() == result["text"].strip()
@@ -256,20 +260,21 @@ def test_stats_line_says_what_it_counts():
     from mlx_spec.engine import Stats
 
     stats = Stats(prompt_tokens=155, prompt_cached=142, prompt_seconds=0.5, generated_tokens=43,
-                  committed=44, steps=22, proposed=40, accepted=22, plain_steps=2,
+                  committed_tokens=44, steps=22, verified_drafts=40, accepted_drafts=22, plain_steps=2,
                   generate_seconds=2.0, finish_reason="eos", seed=77)
     line = stats_line(stats)
     assert line.startswith("prompt: 155 tokens (142 cached), 24.0 tok/s | ")   # 12 computed (the last: step 1)
     assert "| reply: 43 tokens, 21.5 tok/s, ended by end of text |" in line
     assert "| 22 steps, 2.00 tokens/step (44 committed, end of text included) |" in line
-    assert line.endswith("| drafts: 40 checked, 22 accepted (55%); 2 steps checked none")
+    assert line.endswith("| drafts: 40 verified, 22 accepted (55%); 2 plain steps (no draft verified)")
     assert line.count("end of text") == 2 and "seed" not in line
     assert stats_line(stats, sampled=True).endswith(" | seed 77")
-    one = Stats(prompt_tokens=1, generated_tokens=1, committed=1, steps=1, plain_steps=1,
+    one = Stats(prompt_tokens=1, generated_tokens=1, committed_tokens=1, steps=1, plain_steps=1,
                 generate_seconds=0.1, finish_reason="length")
     line = stats_line(one, speculative=False)
     assert line == "prompt: 1 token | reply: 1 token, 10.0 tok/s, cut at --max-tokens | 1 step (no drafting)"
-    assert stats_line(one).endswith("| 1 step, 1.00 tokens/step | drafts: none checked")   # never drafted
+    assert stats_line(one).endswith("| 1 step, 1.00 tokens/step | drafts: none verified")   # never drafted
+    assert one.prompt_tokens_per_second is None and one.as_dict()["prompt_tokens_per_second"] is None
 
 
 def test_empty_prompts_are_refused():

@@ -60,8 +60,8 @@ def test_greedy_is_token_identical(tmp_path, k, adaptive):
     tokens, stats = run(engine, PROMPT, 40)
     assert tokens == expected
     most = min(12, sum(3 ** d for d in range(1, k + 1)))   # budget, or the full tree of depth k
-    assert stats.proposed <= stats.steps * most
-    assert adaptive or stats.proposed >= (stats.steps - 3) * min(3, most)   # near the end k shrinks
+    assert stats.verified_drafts <= stats.steps * most
+    assert adaptive or stats.verified_drafts >= (stats.steps - 3) * min(3, most)   # near the end k shrinks
 
 
 def test_sampled_output_is_exact(tmp_path):

@@ -94,7 +94,7 @@ def test_stats_and_tau(target):
     _, stats = run(Engine(target, LookupDrafter()), prompt, 64)
     assert stats.steps < 64 and stats.tokens_per_step > 1.2
     assert 0 < stats.acceptance_rate <= 1
-    assert stats.committed == sum([stats.steps, stats.accepted])
+    assert stats.committed_tokens == sum([stats.steps, stats.accepted_drafts])
     mx.clear_cache()
 
 
@@ -150,7 +150,7 @@ def test_seed_reproduces_sampled_text_whatever_the_source(target, method, option
         tokens, stats = run(Engine(target, drafter, num_draft_tokens=k, sampling=params, seed=7, adaptive=False),
                             prompt, 32)
         assert tokens == plain, (method, k)
-        assert stats.proposed > 0
+        assert stats.verified_drafts > 0
     mx.clear_cache()
 
 
@@ -212,4 +212,4 @@ def test_the_default_model_by_hub_id_drafts_with_the_shipped_drafter(tmp_path):
                              "--model", "HuggingFaceTB/SmolLM2-135M-Instruct"],
                             capture_output=True, text=True, timeout=300, env=env)
     assert result.returncode == 0, result.stderr
-    assert json.loads(result.stdout)["stats"]["accepted"] > 0
+    assert json.loads(result.stdout)["stats"]["accepted_drafts"] > 0

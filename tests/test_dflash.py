@@ -244,8 +244,8 @@ def test_greedy_is_token_identical(tmp_path, qwen3, k, adaptive):
     engine = Engine(target, DFlashDrafter(target, model), num_draft_tokens=k, adaptive=adaptive)
     tokens, stats = run(engine, PROMPT, 40)
     assert tokens == expected
-    assert adaptive or stats.proposed > 0
-    assert stats.proposed <= stats.steps * min(k, model.args.block_size - 1)
+    assert adaptive or stats.verified_drafts > 0
+    assert stats.verified_drafts <= stats.steps * min(k, model.args.block_size - 1)
 
 
 def test_greedy_on_the_default_model(tmp_path):
@@ -262,7 +262,7 @@ def test_greedy_on_the_default_model(tmp_path):
     engine = Engine(target, DFlashDrafter(target, model), num_draft_tokens=15, adaptive=False)
     tokens, stats = run(engine, prompt, 48)
     assert tokens == plain_greedy(target.model, prompt, 48)
-    assert stats.proposed > 0
+    assert stats.verified_drafts > 0
 
 
 def test_sampled_output_is_exact(tmp_path):

@@ -174,7 +174,7 @@ def test_greedy_is_token_identical(target, checkpoints, layout, adaptive, k):
     for prompt in (PROMPT, PROMPT):  # the second run finds its prompt in the session's cache
         tokens, stats = run(engine, prompt, 40)
         assert tokens == expected
-        assert adaptive or stats.proposed > 0
+        assert adaptive or stats.verified_drafts > 0
 
 
 def test_own_embedding_and_width(target, tmp_path):
@@ -305,7 +305,7 @@ def test_tree_greedy_is_token_identical(target, checkpoints, budget, topk, k):
     expected = plain_greedy(target.model, PROMPT, 40)
     tokens, stats = run(Engine(target, drafter, num_draft_tokens=k, adaptive=False), PROMPT, 40)
     assert tokens == expected
-    assert stats.proposed <= stats.steps * budget
+    assert stats.verified_drafts <= stats.steps * budget
 
 
 
@@ -333,7 +333,7 @@ def test_what_is_left_of_a_tree_as_one_chain_is_verified_as_a_chain(target, chec
     drafter = EagleDrafter(load_eagle3(checkpoints["safeailab"], target), target.vocab_size, tree_budget=6, tree_topk=2)
     tokens, stats = run(Engine(target, drafter, num_draft_tokens=3, policy=BestPath()), PROMPT, 40)
     assert tokens == plain_greedy(target.model, PROMPT, 40)
-    assert stats.proposed > stats.steps and stats.accepted > 0
+    assert stats.verified_drafts > stats.steps and stats.accepted_drafts > 0
 
 
 @pytest.mark.parametrize("tree_budget", [0, 6], ids=["chain", "tree"])
@@ -342,4 +342,4 @@ def test_one_token_prompt(target, checkpoints, tree_budget):
     drafter = EagleDrafter(load_eagle3(checkpoints["safeailab"], target), target.vocab_size,
                            tree_budget=tree_budget, tree_topk=2)
     tokens, stats = run(Engine(target, drafter, num_draft_tokens=3, adaptive=False), [5], 16)
-    assert tokens == plain_greedy(target.model, [5], 16) and stats.proposed > 0
+    assert tokens == plain_greedy(target.model, [5], 16) and stats.verified_drafts > 0

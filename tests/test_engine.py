@@ -27,9 +27,9 @@ def test_lookup_is_token_identical(arch, k):
         engine = Engine(target, LookupDrafter(), num_draft_tokens=k, adaptive=adaptive)
         tokens, stats = run(engine, PROMPT, 80)
         assert tokens == expected, (k, adaptive)
-        assert stats.committed == 80 and stats.generated_tokens == 80
+        assert stats.committed_tokens == 80 and stats.generated_tokens == 80
         if k and not adaptive:
-            assert stats.proposed > 0
+            assert stats.verified_drafts > 0
 
 
 @pytest.mark.parametrize("wrong_every", [2, 3, 5, 100])
@@ -40,7 +40,7 @@ def test_every_acceptance_length(wrong_every, k):
     engine = Engine(target, ScriptedDrafter(expected, wrong_every, 32), num_draft_tokens=k, adaptive=False)
     tokens, stats = run(engine, PROMPT, 50)
     assert tokens == expected
-    assert stats.accepted > 0
+    assert stats.accepted_drafts > 0
     if wrong_every == 100:
         assert stats.tokens_per_step > k  # every draft accepted except at the limit
 

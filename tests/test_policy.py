@@ -174,7 +174,7 @@ def test_engine_drafts_what_pays(useful):
     else:
         # Its confidence (0.9) is a lie: the steps until the calibration has learned that cost
         # some drafting, then plain steps and rare probes.
-        assert stats.accepted == 0 and stats.plain_steps > 0.85 * stats.steps and stats.proposed < 0.2 * stats.steps
+        assert stats.accepted_drafts == 0 and stats.plain_steps > 0.85 * stats.steps and stats.verified_drafts < 0.2 * stats.steps
         assert engine.policy.calibration(0.9) < 0.2
 
 

@@ -55,7 +55,7 @@ def test_same_seed_same_tokens_whatever_the_source(target, sources, source, para
         for _ in range(3):   # the session's cache is reused from the second run on
             tokens, stats = run(engine, prompt, MAX_TOKENS)
             assert tokens == plain, (source, k)
-            proposed += stats.proposed
+            proposed += stats.verified_drafts
     assert proposed > 0
 
 
@@ -107,7 +107,7 @@ def test_stopping_early_changes_no_token(target, sources, source):
     engine.drafter.keep_drafting = lambda confidence: answers.append(ask(confidence)) or answers[-1]
     tokens, stats = run(engine, prompt, MAX_TOKENS)
     assert tokens == plain
-    assert False in answers and stats.drafted < 8 * stats.steps
+    assert False in answers and stats.drafted_tokens < 8 * stats.steps
 
 
 def test_a_sampled_tree_is_the_greedy_tree_of_the_noisy_drafter():

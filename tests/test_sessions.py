@@ -39,7 +39,7 @@ def test_conversations_switched_in_and_out_stay_lossless(method, tmp_path):
         # The drafter drafts what it drafts from scratch: it was rebuilt on the conversation.
         fresh.reset()
         _, expected = run(fresh, prompt, MAX_TOKENS)
-        assert (stats.proposed, stats.accepted) == (expected.proposed, expected.accepted)
+        assert (stats.verified_drafts, stats.accepted_drafts) == (expected.verified_drafts, expected.accepted_drafts)
         return tokens, stats
 
     for name, prompt in (("a", a), ("b", b)):

@@ -149,7 +149,7 @@ def test_greedy_output_is_the_targets_trees_chains_and_memory(tmp_path):
             drafter = SuffixDrafter(tree_budget, memory)
             tokens, stats = run(Engine(target, drafter, num_draft_tokens=k, adaptive=False), PROMPT, 40)
             assert tokens == expected, (k, tree_budget)
-            assert stats.proposed > 0
+            assert stats.verified_drafts > 0
     # The outputs went to the memory: a fresh drafter, on a prompt that ends where an output
     # began, drafts the rest of that output from it.
     other = PROMPT + expected[:6]
@@ -170,7 +170,7 @@ def test_trees_where_the_cache_holds_them(arch, tree):
     drafter = make_drafter("suffix", target, {"suffix_memory": "off"})
     assert drafter.tree == tree
     tokens, stats = run(Engine(target, drafter, num_draft_tokens=4, adaptive=False), PROMPT, 30)
-    assert tokens == plain_greedy(target.model, PROMPT, 30) and stats.proposed > 0
+    assert tokens == plain_greedy(target.model, PROMPT, 30) and stats.verified_drafts > 0
 
 
 class Fixed(Drafter):

@@ -214,7 +214,7 @@ def test_eagle_training_lowers_the_loss_and_drafts_losslessly(target, data, tmp_
     engine = Engine(target, EagleDrafter(model, VOCAB), num_draft_tokens=4, adaptive=False)
     tokens, stats = run(engine, prompt, 24)
     assert tokens == plain_greedy(target.model, prompt, 24)
-    assert stats.accepted > 0          # it learned something of the target's answers
+    assert stats.accepted_drafts > 0          # it learned something of the target's answers
 
 
 def test_eagle_soft_labels_are_the_targets_distribution_over_the_draft_vocabulary(target, data, tmp_path):
@@ -253,7 +253,7 @@ def test_eagle_soft_labels_are_the_targets_distribution_over_the_draft_vocabular
     engine = Engine(target, EagleDrafter(load_eagle3(tmp_path / "soft", target), VOCAB), num_draft_tokens=4,
                     adaptive=False)
     tokens, stats = run(engine, prompt, 24)
-    assert tokens == plain_greedy(target.model, prompt, 24) and stats.accepted > 0
+    assert tokens == plain_greedy(target.model, prompt, 24) and stats.accepted_drafts > 0
 
 
 def test_mtp_training_time_test_equals_chained_drafting(target):
@@ -298,7 +298,7 @@ def test_mtp_and_medusa_training_lower_the_loss_and_draft_losslessly(target, dat
     prompt = json.loads((data / "train.jsonl").read_text().splitlines()[0])["prompt_tokens"]
     tokens, stats = run(Engine(target, drafter, num_draft_tokens=3, adaptive=False), prompt, 24)
     assert tokens == plain_greedy(target.model, prompt, 24)
-    assert stats.accepted > 0
+    assert stats.accepted_drafts > 0
 
 
 def test_mtp_continued_with_a_reduced_vocabulary_trains_over_it(target, data, tmp_path):
@@ -328,7 +328,7 @@ def test_mtp_continued_with_a_reduced_vocabulary_trains_over_it(target, data, tm
     prompt = json.loads((data / "train.jsonl").read_text().splitlines()[0])["prompt_tokens"]
     drafter = EagleDrafter(load_mtp(tmp_path / "b", target), VOCAB)
     tokens, stats = run(Engine(target, drafter, num_draft_tokens=3, adaptive=False), prompt, 24)
-    assert tokens == plain_greedy(target.model, prompt, 24) and stats.accepted > 0
+    assert tokens == plain_greedy(target.model, prompt, 24) and stats.accepted_drafts > 0
 
 
 def test_mtp_soft_labels_are_the_targets_distribution_and_train(target, data, tmp_path):
@@ -358,7 +358,7 @@ def test_mtp_soft_labels_are_the_targets_distribution_and_train(target, data, tm
     prompt = json.loads((data / "train.jsonl").read_text().splitlines()[0])["prompt_tokens"]
     drafter = EagleDrafter(load_mtp(tmp_path / "soft", target), VOCAB)
     tokens, stats = run(Engine(target, drafter, num_draft_tokens=3, adaptive=False), prompt, 24)
-    assert tokens == plain_greedy(target.model, prompt, 24) and stats.accepted > 0
+    assert tokens == plain_greedy(target.model, prompt, 24) and stats.accepted_drafts > 0
 
 
 def test_dflash_training_lowers_the_loss_and_drafts_losslessly(target, data, tmp_path):
@@ -377,7 +377,7 @@ def test_dflash_training_lowers_the_loss_and_drafts_losslessly(target, data, tmp
     engine = Engine(target, DFlashDrafter(target, model), num_draft_tokens=3, adaptive=False)
     tokens, stats = run(engine, prompt, 24)
     assert tokens == plain_greedy(target.model, prompt, 24)
-    assert stats.accepted > 0
+    assert stats.accepted_drafts > 0
 
 
 @pytest.mark.parametrize("kind", ["eagle", "dflash"])

@@ -117,7 +117,7 @@ def test_speculation_is_token_identical(arch, k):
                     DraftModelDrafter(draft_model_for(arch), 32)):
         tokens, stats = run(engine_for(arch, target, drafter, k), PROMPT, 40)
         assert tokens == expected, (type(drafter).__name__, k)
-        assert stats.proposed > 0
+        assert stats.verified_drafts > 0
 
 
 @pytest.mark.parametrize("arch", list(WINDOWED) + list(RECURRENT))
@@ -127,7 +127,7 @@ def test_every_acceptance_length(arch):
     for wrong_every in (2, 4, 5, 7):
         tokens, stats = run(engine_for(arch, target, ScriptedDrafter(expected, wrong_every, 32), 8), PROMPT, 40)
         assert tokens == expected, wrong_every
-        assert 0 < stats.accepted < stats.proposed
+        assert 0 < stats.accepted_drafts < stats.verified_drafts
 
 
 @pytest.mark.parametrize("arch", ["qwen3_next", "falcon_h1"])
@@ -177,7 +177,7 @@ def test_feature_drafters_on_recurrent_targets(arch, tmp_path):
     for drafter in (EagleDrafter(eagle, target.vocab_size), DFlashDrafter(target, dflash)):
         tokens, stats = run(NoRebuild(target, drafter, num_draft_tokens=4, adaptive=False), PROMPT, 30)
         assert tokens == expected, type(drafter).__name__
-        assert stats.proposed > 0
+        assert stats.verified_drafts > 0
 
 
 def test_recurrent_rollback_equals_a_plain_run():
@@ -249,10 +249,10 @@ def test_a_recurrent_model_drafts_for_itself(arch):
     engine = NoRebuild(target, DraftModelDrafter(target, 32), num_draft_tokens=4, adaptive=False)
     expected = plain_greedy(target.model, PROMPT, 41)
     tokens, stats = run(engine, PROMPT, 41)
-    assert tokens == expected and stats.proposed == stats.accepted == 32 and stats.steps == 9
+    assert tokens == expected and stats.verified_drafts == stats.accepted_drafts == 32 and stats.steps == 9
     more = PROMPT + tokens + [3, 4]
     tokens, stats = run(engine, more, 21)
-    assert tokens == plain_greedy(target.model, more, 21) and stats.accepted == stats.proposed == 16
+    assert tokens == plain_greedy(target.model, more, 21) and stats.accepted_drafts == stats.verified_drafts == 16
     engine = NoRebuild(target, DraftModelDrafter(target_of(arch, seed=7), 32), num_draft_tokens=3, adaptive=False)
     assert run(engine, PROMPT, 30)[0] == plain_greedy(target.model, PROMPT, 30)
     # A smaller model of the family (half the layers) drafting for the larger one.
@@ -263,7 +263,7 @@ def test_a_recurrent_model_drafts_for_itself(arch):
     assert draft.num_layers < target.num_layers
     engine = NoRebuild(target, DraftModelDrafter(draft, 32), num_draft_tokens=3, adaptive=False)
     tokens, stats = run(engine, PROMPT, 30)
-    assert tokens == plain_greedy(target.model, PROMPT, 30) and stats.proposed > 0
+    assert tokens == plain_greedy(target.model, PROMPT, 30) and stats.verified_drafts > 0
     params = SamplingParams(temp=1.0)
     plain = run(Engine(target, sampling=params, seed=5), PROMPT, 24)[0]
     engine = NoRebuild(target, DraftModelDrafter(target, 32), num_draft_tokens=4, sampling=params, seed=5,
@@ -396,7 +396,7 @@ def test_learned_tree_sources_on_a_hybrid_target(tmp_path):
         assert drafter.tree
         tokens, stats = run(NoRebuild(target, drafter, num_draft_tokens=4, adaptive=False), PROMPT, 30)
         assert tokens == expected, type(drafter).__name__
-        assert stats.drafted > 0
+        assert stats.drafted_tokens > 0
 
 
 def test_trees_over_attention_and_mamba_in_one_layer_are_refused():

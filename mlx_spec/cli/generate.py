@@ -82,12 +82,7 @@ def generate(prompt_arg, prompt_opt, max_tokens, system, no_chat_template, as_js
     events = engine.generate(tokens, max_tokens=max_tokens)
     if as_json:
         generated, text, stats = stream(events, out=None)
-        keys = ("prompt_tokens", "prompt_cached", "generated_tokens", "committed", "steps", "tokens_per_step",
-                "proposed", "accepted", "acceptance_rate", "tokens_per_second", "prompt_seconds",
-                "generate_seconds", "seed", "mean_draft_length", "plain_steps", "drafted", "finish_reason")
-        all_stats = stats.as_dict()
-        click.echo(json.dumps({"text": text, "tokens": generated,
-                               "stats": {k: all_stats[k] for k in keys}}))
+        click.echo(json.dumps({"text": text, "tokens": generated, "stats": stats.as_dict()}))
     else:
         _, _, stats = stream(events)
         click.echo()

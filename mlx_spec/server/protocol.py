@@ -163,7 +163,7 @@ def usage(stats, method: str, sampled: bool) -> dict:
             "prompt_tokens_details": {"cached_tokens": stats.prompt_cached},
             "speculative": {"method": method, "steps": stats.steps, "tokens_per_step": round(stats.tokens_per_step, 4),
                             "acceptance_rate": round(stats.acceptance_rate, 4),
-                            "drafts_verified": stats.proposed, "plain_steps": stats.plain_steps,
+                            "drafts_verified": stats.verified_drafts, "plain_steps": stats.plain_steps,
                             "seed": stats.seed if sampled else None}}
 
 
