@@ -332,6 +332,19 @@ def test_every_option_and_command_is_explained():
     assert all(method in out for method in DRAFTERS)
 
 
+@pytest.mark.parametrize("command", ["generate", "chat", "serve"])
+def test_help_lists_the_everyday_options_first(command):
+    code, out, _ = cli([command, "--help"])
+    assert code == 0
+    where = {option: out.index(option + " ") for option in ("--model", "--draft", "--max-tokens", "--temp",
+                                                            "--num-draft-tokens", "--kv-bits", "--sharding")}
+    headings = [out.index(heading + ":\n") for heading in ("Options", "Drafting", "Sampling", "KV cache")]
+    assert headings == sorted(headings)
+    assert max(where["--model"], where["--draft"], where["--max-tokens"]) < headings[1] < where["--num-draft-tokens"]
+    assert headings[2] < where["--temp"] < headings[3] < where["--kv-bits"] and where["--kv-bits"] > where["--temp"]
+    assert where["--sharding"] > headings[2]
+
+
 def test_readme_links_stay_inside_the_repository():
     from pathlib import Path
 

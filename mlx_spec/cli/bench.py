@@ -4,10 +4,10 @@ import click
 
 from ..drafters import DRAFTERS
 from ..models.target import DTYPES
-from .common import echo_err, cache_options, reports_errors, sharding_options, source_defaults
+from .common import GroupedCommand, echo_err, cache_options, reports_errors, sharding_options, source_defaults
 
 
-@click.command("bench", short_help="Time draft methods against plain mlx-lm, per prompt category.")
+@click.command("bench", cls=GroupedCommand, short_help="Time draft methods against plain mlx-lm, per prompt category.")
 @click.option("--model", "model_path", default=None,
               help="mlx-lm model: a directory or a Hugging Face repo id (default: the embedded model).")
 @click.option("--revision", default=None, help="The model's revision on the Hugging Face hub.")

@@ -6,7 +6,7 @@ import click
 
 from ..errors import MlxSpecError, RanksLost
 from ..api import stats_line
-from .common import echo_err, load_engine, model_label, model_options, reports_errors, stream
+from .common import GroupedCommand, echo_err, load_engine, model_label, model_options, reports_errors, stream
 
 COMMANDS = {
     "/help": "list these commands",
@@ -63,7 +63,7 @@ class CtrlC:
         signal.signal(signal.SIGINT, self.previous)
 
 
-@click.command("chat", short_help="Chat in the terminal, with line editing and history.")
+@click.command("chat", cls=GroupedCommand, short_help="Chat in the terminal, with line editing and history.")
 @model_options
 @click.option("--max-tokens", "-m", type=click.IntRange(1), default=512, show_default=True,
               help="Most tokens per reply (fewer when the conversation nears the context limit).")

@@ -16,23 +16,56 @@ def source_defaults(option: str) -> str:
                      if option in source.options.names())
 
 
+class GroupedOption(click.Option):
+    """An option listed under a heading of its own in --help (`group`; None: "Options")."""
+
+    def __init__(self, *args, group=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.group = group
+
+
+class GroupedCommand(click.Command):
+    """--help lists the everyday options first ("Options"), then each group under its heading,
+    in the order they first appear."""
+
+    def format_options(self, ctx, formatter):
+        groups = {"Options": []}
+        for param in self.get_params(ctx):
+            record = param.get_help_record(ctx) if isinstance(param, click.Option) else None
+            if record is not None:
+                groups.setdefault(getattr(param, "group", None) or "Options", []).append(record)
+        for heading, records in groups.items():
+            if records:
+                with formatter.section(heading):
+                    formatter.write_dl(records)
+
+
+def option(*decls, group=None, **settings):
+    """click.option, listed under `group`'s heading in --help."""
+    return click.option(*decls, cls=GroupedOption, group=group, **settings)
+
+
+def apply(f, options):
+    for decorator in reversed(options):
+        f = decorator(f)
+    return f
+
+
 def cache_options(f):
     """mlx-lm's KV-cache flags, its names and defaults (api.load's arguments)."""
     options = [
-        click.option("--max-kv-size", type=click.IntRange(8), default=None,
-                     help="Bound the KV cache: the first 4 tokens and a window of the latest (mlx-lm's "
-                          "RotatingKVCache; models that build their own cache keep it)."),
-        click.option("--kv-bits", type=int, default=None,
-                     help="Quantize the KV cache to this many bits (2, 3, 4, 5, 6, 8; default: no quantization), "
-                          "with --draft none: speculation over it would not print mlx-lm's tokens."),
-        click.option("--kv-group-size", type=int, default=64, show_default=True,
-                     help="Group size of the KV cache quantization (32, 64, 128)."),
-        click.option("--quantized-kv-start", type=click.IntRange(0), default=5000, show_default=True,
-                     help="With --kv-bits, quantize the cache once it holds this many tokens."),
+        option("--max-kv-size", type=click.IntRange(8), default=None, group="KV cache",
+               help="Bound the KV cache: the first 4 tokens and a window of the latest (mlx-lm's "
+                    "RotatingKVCache; models that build their own cache keep it)."),
+        option("--kv-bits", type=int, default=None, group="KV cache",
+               help="Quantize the KV cache to this many bits (2, 3, 4, 5, 6, 8; default: no quantization), "
+                    "with --draft none: speculation over it would not print mlx-lm's tokens."),
+        option("--kv-group-size", type=int, default=64, show_default=True, group="KV cache",
+               help="Group size of the KV cache quantization (32, 64, 128)."),
+        option("--quantized-kv-start", type=click.IntRange(0), default=5000, show_default=True, group="KV cache",
+               help="With --kv-bits, quantize the cache once it holds this many tokens."),
     ]
-    for option in reversed(options):
-        f = option(f)
-    return f
+    return apply(f, options)
 
 
 def model_options(f):
@@ -55,60 +88,57 @@ def model_options(f):
         click.option("--draft-model", default=None,
                      help="Drafter checkpoint or draft model: a directory or a Hugging Face repo id "
                           f"({sources_reading('draft_model').replace('|', ', ')})."),
-        click.option("--num-draft-tokens", type=click.IntRange(0), default=None,
-                     help="Most drafts per step (default per method: "
-                          + ", ".join(f"{m} {s.default_draft_tokens}" for m, s in DRAFTERS.items()
-                                      if s.default_draft_tokens) + ")."),
-        click.option("--adaptive/--fixed", default=True, show_default=True,
-                     help="adaptive: verify only the drafts that pay, from their confidence and the "
-                          "costs measured while running (none when drafting does not pay); fixed: "
-                          "always --num-draft-tokens."),
-        click.option("--stop-early", is_flag=True,
-                     help=f"{sources_reading('stop_early').replace('|', ', ')} (chains): stop drafting once "
-                          "the next draft would not pay (a sync per draft)."),
-        click.option("--ngram-max", type=click.IntRange(1), default=None,
-                     help=f"Longest n-gram matched: {source_defaults('ngram_max')}."),
-        click.option("--ngram-min", type=click.IntRange(1), default=None,
-                     help=f"Shortest n-gram matched: {source_defaults('ngram_min')}."),
-        click.option("--tree-budget", type=click.IntRange(0, 512), default=None,
-                     help=f"Nodes of a draft tree (0: a chain of --num-draft-tokens): {source_defaults('tree_budget')}."),
-        click.option("--tree-topk", type=click.IntRange(1, 64), default=None,
-                     help=f"Children per expanded node (eagle), candidates per position: "
-                          f"{source_defaults('tree_topk')}. --num-draft-tokens is the tree's depth."),
-        click.option("--suffix-memory", default=None,
-                     help=f"{sources_reading('suffix_memory').replace('|', ', ')}: the file of earlier outputs "
-                          "searched and fed (default: one per model under ~/.cache/mlx-spec/suffix-memory), or off."),
-        click.option("--exit-layer", type=int, default=None,
-                     help="layerskip: the target's first E layers (then its norm and head) draft."),
-        click.option("--temp", type=float, default=0.0, show_default=True, help="Sampling temperature."),
-        click.option("--top-p", type=float, default=1.0, show_default=True, help="Nucleus sampling."),
-        click.option("--top-k", type=int, default=0, show_default=True, help="Top-k sampling (0: off)."),
-        click.option("--min-p", type=float, default=0.0, show_default=True, help="Min-p sampling."),
-        click.option("--seed", type=int, default=None,
-                     help="Random seed: the same seed gives the same sampled text, whatever --draft "
-                          "(default: a fresh one, printed with the statistics when sampling)."),
-        click.option("--residual-sampling", is_flag=True,
-                     help="Accept sampled drafts by the residual rule (may accept more; the output for a "
-                          "seed then depends on the draft source and timing)."),
+        option("--num-draft-tokens", group="Drafting", type=click.IntRange(0), default=None,
+               help="Most drafts per step (default per method: "
+                    + ", ".join(f"{m} {s.default_draft_tokens}" for m, s in DRAFTERS.items()
+                                if s.default_draft_tokens) + ")."),
+        option("--adaptive/--fixed", group="Drafting", default=True, show_default=True,
+               help="adaptive: verify only the drafts that pay, from their confidence and the "
+                    "costs measured while running (none when drafting does not pay); fixed: "
+                    "always --num-draft-tokens."),
+        option("--stop-early", group="Drafting", is_flag=True,
+               help=f"{sources_reading('stop_early').replace('|', ', ')} (chains): stop drafting once "
+                    "the next draft would not pay (a sync per draft)."),
+        option("--ngram-max", group="Drafting", type=click.IntRange(1), default=None,
+               help=f"Longest n-gram matched: {source_defaults('ngram_max')}."),
+        option("--ngram-min", group="Drafting", type=click.IntRange(1), default=None,
+               help=f"Shortest n-gram matched: {source_defaults('ngram_min')}."),
+        option("--tree-budget", group="Drafting", type=click.IntRange(0, 512), default=None,
+               help=f"Nodes of a draft tree (0: a chain of --num-draft-tokens): {source_defaults('tree_budget')}."),
+        option("--tree-topk", group="Drafting", type=click.IntRange(1, 64), default=None,
+               help=f"Children per expanded node (eagle), candidates per position: "
+                    f"{source_defaults('tree_topk')}. --num-draft-tokens is the tree's depth."),
+        option("--suffix-memory", group="Drafting", default=None,
+               help=f"{sources_reading('suffix_memory').replace('|', ', ')}: the file of earlier outputs "
+                    "searched and fed (default: one per model under ~/.cache/mlx-spec/suffix-memory), or off."),
+        option("--exit-layer", group="Drafting", type=int, default=None,
+               help="layerskip: the target's first E layers (then its norm and head) draft."),
+        option("--temp", group="Sampling", type=float, default=0.0, show_default=True, help="Sampling temperature."),
+        option("--top-p", group="Sampling", type=float, default=1.0, show_default=True, help="Nucleus sampling."),
+        option("--top-k", group="Sampling", type=int, default=0, show_default=True, help="Top-k sampling (0: off)."),
+        option("--min-p", group="Sampling", type=float, default=0.0, show_default=True, help="Min-p sampling."),
+        option("--seed", group="Sampling", type=int, default=None,
+               help="Random seed: the same seed gives the same sampled text, whatever --draft "
+                    "(default: a fresh one, printed with the statistics when sampling)."),
+        option("--residual-sampling", group="Sampling", is_flag=True,
+               help="Accept sampled drafts by the residual rule (may accept more; the output for a "
+                    "seed then depends on the draft source and timing)."),
     ]
-    for option in reversed(options):
-        f = option(f)
-    return sharding_options(cache_options(f))
+    # The everyday options first, the KV cache's and the split's last (decorators apply inside out).
+    return apply(sharding_options(cache_options(f)), options)
 
 
 def sharding_options(f):
     """The target split over the processes mlx.launch starts (api.load's argument names)."""
     options = [
-        click.option("--sharding", type=click.Choice(["tensor", "pipeline"]), default=None,
-                     help="Split the target over the processes mlx.launch starts (mlx-lm's sharding: "
-                          "tensor parallel, or pipeline stages); rank 0 drafts and prints."),
-        click.option("--rank-timeout", type=click.FloatRange(min=1), default=None,
-                     help="With --sharding: seconds a pass (or a prefill chunk) may wait for the other ranks "
-                          "before the run ends [120]."),
+        option("--sharding", group="Split target", type=click.Choice(["tensor", "pipeline"]), default=None,
+               help="Split the target over the processes mlx.launch starts (mlx-lm's sharding: "
+                    "tensor parallel, or pipeline stages); rank 0 drafts and prints."),
+        option("--rank-timeout", group="Split target", type=click.FloatRange(min=1), default=None,
+               help="With --sharding: seconds a pass (or a prefill chunk) may wait for the other ranks "
+                    "before the run ends [120]."),
     ]
-    for option in reversed(options):
-        f = option(f)
-    return f
+    return apply(f, options)
 
 
 def reports_errors(f):

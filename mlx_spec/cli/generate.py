@@ -5,7 +5,7 @@ import click
 
 from ..api import stats_line
 from ..engine import UNKNOWN_TOKEN
-from .common import echo_err, load_engine, model_options, reports_errors, stream
+from .common import GroupedCommand, echo_err, load_engine, model_options, reports_errors, stream
 
 
 def encode_prompt(tokenizer, prompt: str, system, use_chat_template: bool, after_cache: bool = False):
@@ -43,7 +43,7 @@ def open_prompt_cache(path, options: dict):
     return engine, engine.resume(read_prompt_cache(path, engine.target.model, engine.target.model_type))
 
 
-@click.command("generate", short_help="Stream a reply to one prompt, then its statistics.")
+@click.command("generate", cls=GroupedCommand, short_help="Stream a reply to one prompt, then its statistics.")
 @click.argument("prompt_arg", metavar="[PROMPT]", required=False)
 @click.option("--prompt", "prompt_opt", default=None, help="The prompt; '-' reads it from stdin.")
 @model_options

@@ -3,14 +3,14 @@ import socket
 
 import click
 
-from .common import echo_err, load_engine, model_label, model_options, reports_errors
+from .common import GroupedCommand, echo_err, load_engine, model_label, model_options, reports_errors
 
 
 def _interrupt(signum, frame):
     raise KeyboardInterrupt
 
 
-@click.command("serve", short_help="An OpenAI-compatible HTTP server (chat, completions, streaming).")
+@click.command("serve", cls=GroupedCommand, short_help="An OpenAI-compatible HTTP server (chat, completions, streaming).")
 @model_options
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="Address to bind (loopback by default: say 0.0.0.0 to serve the network).")

@@ -32,7 +32,7 @@ def train():
                    "target did not write: train with --labels soft); seconds, not a generation.")
 @click.option("--prompts-file", default=None,
               help="Answer the prompts of this JSONL file (.gz: gzipped) instead of the assembled ones, in "
-                   "its order: rows {\"id\", \"prompt\"} or {\"id\", \"turns\": [...]} (or the bench's "
+                   "its order: rows {\"id\", \"prompt\"} or {\"id\", \"turns\": [TEXT, TEXT]} (or the bench's "
                    "layout). Real prompts: benchmarks/training/real/prompts.jsonl.gz.")
 @click.option("--max-minutes", type=click.FloatRange(min=0), default=None,
               help="Start no batch after this many minutes (run again to continue: resumable).")
