@@ -107,6 +107,10 @@ def bad_dirs(tmp_path_factory):
 
     Tokenizer(models.WordLevel({f"t{i}": i for i in range(64)}, unk_token="t0")).save(str(other / "tokenizer.json"))
     (other / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
+    # Configs without the architecture, or without its sizes (the weights are fine).
+    for name, config in (("untyped", {}), ("unsized", {"model_type": "llama", "hidden_size": 64})):
+        save_model(tiny_model(tiny_config()), tiny_config(), root / name)
+        (root / name / "config.json").write_text(json.dumps(config))
     # A model whose tokenizer files were left behind.
     save_model(tiny_model(tiny_config()), tiny_config(), root / "untokenized")
     (root / "untokenized" / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
@@ -118,6 +122,9 @@ def bad_dirs(tmp_path_factory):
     (["--model", "{root}/corrupt"], ["corrupt config.json"]),
     (["--model", "{root}/pickled"], ["pickled weights"]),
     (["--model", "{root}/garbage"], ["cannot load model"]),
+    (["--model", "{root}/untyped"], ["its config.json has no 'model_type'", '"model_type": "llama"']),
+    (["--model", "{root}/unsized"], ["lacks what the llama architecture needs: num_hidden_layers,",
+                                     "vocab_size"]),
     (["--model", "{root}/untokenized"], ["has no tokenizer.json", "copy the tokenizer files"]),
     (["--draft", "bogus"], ["unknown draft method 'bogus'"]),
     (["--dtype", "int3"], ["unknown dtype 'int3'"]),

@@ -4,6 +4,7 @@ Tap convention (DESIGN.md): taps[i] is the OUTPUT of decoder layer i; taps[-1] i
 embedding output (the input of layer 0).
 """
 
+import re
 from pathlib import Path
 from typing import Callable, Dict, Iterable, Optional
 
@@ -191,11 +192,20 @@ def load_target(path, dtype: str = "auto", shard: Optional[Callable] = None) -> 
     from mlx_lm.utils import load_model, load_tokenizer
 
     path = Path(path)
-    read_config(path, "model")
+    config = read_config(path, "model")
+    if not isinstance(config.get("model_type"), str):
+        raise MlxSpecError(f"cannot load model {path}: its config.json has no 'model_type': a model's config "
+                           "names its architecture (\"model_type\": \"llama\", ...) and its sizes, as Hugging Face "
+                           "checkpoints and mlx_lm.convert write it")
     check_not_pickled(path)
     try:
         model, config = load_model(path, lazy=True)
     except Exception as e:  # mlx-lm raises many types for bad files; keep it to one line
+        missing = re.search(r"missing \d+ required (?:positional |keyword-only )?arguments?: (.*)", str(e))
+        if isinstance(e, TypeError) and missing:   # ModelArgs(**config) without a field it needs
+            fields = missing.group(1).replace("'", "").replace(" and ", " ").replace(",,", ",")
+            raise MlxSpecError(f"cannot load model {path}: its config.json lacks what the {config['model_type']} "
+                               f"architecture needs: {fields}") from None
         raise MlxSpecError(f"cannot load model {path}: {one_line(e)}") from None
     try:
         tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
