@@ -123,7 +123,7 @@ def main():
                         pass
                     row[method] = dict(tokens=len(out["tokens"]), seconds=time.perf_counter() - tic,
                                        identical=out["tokens"] == tokens, steps=out["stats"].steps,
-                                       accepted=out["stats"].accepted)
+                                       accepted=out["stats"].accepted_drafts)
                     channel.send(STOP)
                 records.append(row)
     if not rank0:

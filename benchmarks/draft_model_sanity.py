@@ -53,7 +53,7 @@ def tau(target, draft, k, temp, max_tokens):
                         sampling=sampling, seed=0, adaptive=False)
         for event in engine.generate(prompt, max_tokens=max_tokens):
             if event[0] == "done":
-                committed += event[1].committed
+                committed += event[1].committed_tokens
                 steps += event[1].steps
     return committed / steps
 

@@ -71,7 +71,7 @@ def held_out(target, engine, max_tokens):
         prompt = target.tokenizer.apply_chat_template([{"role": "user", "content": user}], add_generation_prompt=True)
         for event in engine.generate(prompt, max_tokens=max_tokens):
             if event[0] == "done":
-                committed, steps = committed + event[1].committed, steps + event[1].steps
+                committed, steps = committed + event[1].committed_tokens, steps + event[1].steps
     return committed / steps
 
 

@@ -79,7 +79,7 @@ def test_rows_of_every_acceptance_length_match_mlx_lm(target, references, adapti
         assert tokens == references[tuple(prompt)][:n], i
         assert stats.finish_reason == "length" and stats.generated_tokens == n
     if not adaptive:
-        assert sum(results[i][1].accepted for i in results) > 20
+        assert sum(results[i][1].accepted_drafts for i in results) > 20
     assert not batch.rows and len(batch.idle) == 3
     assert all(c.keys is None for c in batch.cache)
 
@@ -133,7 +133,7 @@ def test_eagle_rows_match_mlx_lm():
     results = batch_run(BatchEngine.spawned(engine, 3), [(p, dict(max_tokens=24)) for p in prompts])
     for i, prompt in enumerate(prompts):
         assert results[i][0] == plain_greedy(target.model, prompt, 24)
-    assert sum(results[i][1].accepted for i in results) > 0
+    assert sum(results[i][1].accepted_drafts for i in results) > 0
 
 
 def test_seeded_sampling_equals_plain_decoding_per_row(target):
@@ -244,7 +244,7 @@ def test_dflash_and_medusa_rows_match_mlx_lm(tmp_path):
         results = batch_run(BatchEngine.spawned(engine, 3), requests)
         for i, (prompt, _) in enumerate(requests):
             assert results[i][0] == plain_greedy(target.model, prompt, 20), (type(drafter).__name__, i)
-        assert sum(results[i][1].proposed for i in results) > 0
+        assert sum(results[i][1].verified_drafts for i in results) > 0
 
 
 def test_a_row_that_widens_the_pass_alone_is_charged_the_widening(target):

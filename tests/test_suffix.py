@@ -157,7 +157,7 @@ def test_greedy_output_is_the_targets_trees_chains_and_memory(tmp_path):
     without = run(Engine(target, SuffixDrafter(16, None), num_draft_tokens=8, adaptive=False), other, 30)
     with_memory = run(Engine(target, SuffixDrafter(16, memory), num_draft_tokens=8, adaptive=False), other, 30)
     assert without[0] == with_memory[0] == expected
-    assert with_memory[1].accepted >= without[1].accepted + 20
+    assert with_memory[1].accepted_drafts >= without[1].accepted_drafts + 20
 
 
 @pytest.mark.parametrize("arch, tree", [("qwen3_next", True), ("gemma3_text", False)])

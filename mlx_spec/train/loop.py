@@ -340,7 +340,7 @@ class DevEvaluation:
             for seed in self.seeds:
                 for event in engine.generate(prompt, max_tokens=self.max_tokens, seed=seed):
                     if event[0] == "done":
-                        committed, steps = committed + event[1].committed, steps + event[1].steps
+                        committed, steps = committed + event[1].committed_tokens, steps + event[1].steps
         return {"dev_tau": committed / steps if steps else 0.0, "dev_prompts": len(self.prompts)}
 
 
