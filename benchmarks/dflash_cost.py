@@ -24,6 +24,7 @@ from mlx_spec import engine as engine_module
 from mlx_spec.cache import make_cache, rollback_to
 from mlx_spec.drafters.dflash import DFlashDrafter
 from mlx_spec.engine import Engine
+from mlx_spec.events import Step
 from mlx_spec.convert.default import default_model_path
 from mlx_spec.models.dflash import DFlashModel, ModelArgs, spread_layer_ids
 from mlx_spec.models.target import load_target
@@ -133,7 +134,7 @@ def main():
         timed = TimedEval()
         engine_module.mx = timed
         marks = [(time.perf_counter(), timed.seconds)
-                 for event in engine.generate(context, max_tokens=opts.tokens) if event[0] == "step"]
+                 for event in engine.generate(context, max_tokens=opts.tokens) if isinstance(event, Step)]
         engine_module.mx = mx
         (t0, e0), (t1, e1) = marks[0], marks[-1]
         rounds.append((t1 - t0) / (len(marks) - 1) * 1e3)

@@ -26,6 +26,7 @@ import mlx.core as mx
 
 from mlx_spec.api import model_path
 from mlx_spec.bench import baseline_sampler, baseline_steps, load_prompts, method_steps
+from mlx_spec.events import Collector
 from mlx_spec.distributed import STOP, Follower, SplitTarget
 from mlx_spec.drafters import draft_tokens, make_drafter, source_options
 from mlx_spec.sampling import SamplingParams
@@ -67,11 +68,11 @@ def transfer_seconds(group, hidden_size, positions, layers, repeats=50):
 
 def plain_run(target, prompt, max_tokens, sampling, seed):
     """mlx-lm's decoding of the split target on every rank: (tokens, seconds)."""
-    out = {}
+    out = Collector()
     tic = time.perf_counter()
     for _ in baseline_steps(target, prompt, max_tokens, baseline_sampler(sampling, seed), out):
         pass
-    return out["tokens"], time.perf_counter() - tic
+    return out.tokens, time.perf_counter() - tic
 
 
 def main():
@@ -117,13 +118,13 @@ def main():
                                                        num_draft_tokens=draft_tokens(method, None))
                     engine = engines[method]
                     engine.sampler.reseed(repeat)
-                    out = {}
+                    out = Collector()
                     tic = time.perf_counter()
                     for _ in method_steps(engine, prompt, args.max_tokens, out):
                         pass
-                    row[method] = dict(tokens=len(out["tokens"]), seconds=time.perf_counter() - tic,
-                                       identical=out["tokens"] == tokens, steps=out["stats"].steps,
-                                       accepted=out["stats"].accepted_drafts)
+                    row[method] = dict(tokens=len(out.tokens), seconds=time.perf_counter() - tic,
+                                       identical=out.tokens == tokens, steps=out.stats.steps,
+                                       accepted=out.stats.accepted_drafts)
                     channel.send(STOP)
                 records.append(row)
     if not rank0:

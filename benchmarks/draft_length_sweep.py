@@ -13,6 +13,7 @@ from pathlib import Path
 import mlx_spec  # noqa: F401  (loads OpenBLAS before mlx.core)
 from mlx_spec.drafters import make_drafter
 from mlx_spec.engine import Engine
+from mlx_spec.events import Collector
 from mlx_spec.convert.default import default_model_path
 from mlx_spec.models.target import load_target
 
@@ -21,7 +22,7 @@ PROMPTS = Path(__file__).resolve().parent / "heldout_prompts.jsonl"
 
 def timed(engine, prompt, max_tokens):
     """(generation tok/s, Stats) of one run."""
-    stats = [event[1] for event in engine.generate(prompt, max_tokens=max_tokens) if event[0] == "done"][0]
+    stats = Collector.of(engine.generate(prompt, max_tokens=max_tokens)).stats
     return stats.tokens_per_second, stats
 
 

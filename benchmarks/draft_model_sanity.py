@@ -19,6 +19,7 @@ from mlx_lm.utils import _get_classes
 
 from mlx_spec.drafters.draft_model import DraftModelDrafter, check_same_vocabulary
 from mlx_spec.engine import Engine
+from mlx_spec.events import Collector
 from mlx_spec.convert.default import default_model_path
 from mlx_spec.models.target import load_target
 from mlx_spec.sampling import SamplingParams
@@ -51,10 +52,8 @@ def tau(target, draft, k, temp, max_tokens):
         prompt = target.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
         engine = Engine(target, DraftModelDrafter(draft, target.vocab_size), num_draft_tokens=k,
                         sampling=sampling, seed=0, adaptive=False)
-        for event in engine.generate(prompt, max_tokens=max_tokens):
-            if event[0] == "done":
-                committed += event[1].committed_tokens
-                steps += event[1].steps
+        stats = Collector.of(engine.generate(prompt, max_tokens=max_tokens)).stats
+        committed, steps = committed + stats.committed_tokens, steps + stats.steps
     return committed / steps
 
 

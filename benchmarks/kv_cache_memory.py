@@ -22,6 +22,7 @@ from mlx_lm.generate import generate_step
 from mlx_spec.cache import KVQuantization
 from mlx_spec.convert.default import default_model_path
 from mlx_spec.engine import Engine
+from mlx_spec.events import Collector
 from mlx_spec.models.target import load_target
 
 
@@ -55,12 +56,8 @@ def main():
     for bits in (None, 8, 4):
         kv = KVQuantization(bits, 64, opts.quantized_kv_start) if bits else None
         engine = Engine(target, kv_quantization=kv)
-        tokens, stats = [], None
-        for event in engine.generate(prompt, max_tokens=opts.max_tokens):
-            if event[0] == "token":
-                tokens.append(event[1])
-            elif event[0] == "done":
-                stats = event[1]
+        collected = Collector.of(engine.generate(prompt, max_tokens=opts.max_tokens))
+        tokens, stats = collected.tokens, collected.stats
         flags = dict(kv_bits=bits, kv_group_size=64, quantized_kv_start=opts.quantized_kv_start) if bits else {}
         reference = []
         for token, _ in generate_step(mx.array(prompt), target.model, max_tokens=opts.max_tokens, **flags):

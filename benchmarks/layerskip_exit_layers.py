@@ -15,6 +15,7 @@ from pathlib import Path
 
 from mlx_spec.drafters.layerskip import LayerSkipDrafter
 from mlx_spec.engine import Engine
+from mlx_spec.events import Step
 from mlx_spec.convert.default import default_model_path
 from mlx_spec.models.target import load_target
 
@@ -39,8 +40,8 @@ def main():
                                                           add_generation_prompt=True)
             engine = Engine(target, LayerSkipDrafter(target, exit_layer), num_draft_tokens=args.k, adaptive=False)
             for event in engine.generate(prompt, max_tokens=args.max_tokens):
-                if event[0] == "step":
-                    steps, proposed, accepted = steps + 1, proposed + event[1], accepted + event[2]
+                if isinstance(event, Step):
+                    steps, proposed, accepted = steps + 1, proposed + event.verified, accepted + event.accepted
         print(f"| {exit_layer} | {(steps + accepted) / steps:.2f} | {accepted / max(proposed, 1):.0%} |", flush=True)
 
 

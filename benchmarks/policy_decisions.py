@@ -14,6 +14,7 @@ from pathlib import Path
 
 from mlx_spec import engine as engine_module   # the package loads OpenBLAS before mlx.core
 from mlx_spec.api import load
+from mlx_spec.events import Collector
 
 ticks = itertools.count()
 engine_module.time.perf_counter = lambda: next(ticks) * 0.01
@@ -23,10 +24,7 @@ for method in sys.argv[1:]:
     engine, tok = load(draft=method, seed=0)
     for t in texts:
         ids = tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True)
-        out = []
-        for ev in engine.generate(ids, max_tokens=64):
-            if ev[0] == "token":
-                out.append(ev[1])
-            if ev[0] == "done":
-                s = ev[1]
-                print(method, len(out), s.steps, s.plain_steps, s.verified_drafts, s.accepted_drafts, s.drafted_tokens, hash(tuple(out)) % 10**8, flush=True)
+        collected = Collector.of(engine.generate(ids, max_tokens=64))
+        out, s = collected.tokens, collected.stats
+        print(method, len(out), s.steps, s.plain_steps, s.verified_drafts, s.accepted_drafts, s.drafted_tokens,
+              hash(tuple(out)) % 10**8, flush=True)

@@ -20,6 +20,7 @@ from mlx_spec.drafters.base import Drafter
 from mlx_spec.drafters.dflash import DFlashDrafter
 from mlx_spec.drafters.eagle import EagleDrafter
 from mlx_spec.engine import Engine
+from mlx_spec.events import Done
 from mlx_spec.convert.default import default_model_path
 from mlx_spec.models.default import SHIPPED_DRAFTERS
 from mlx_spec.models.target import load_target
@@ -70,8 +71,8 @@ def held_out(target, engine, max_tokens):
         user = item["turns"][0] if "turns" in item else item["prompt"]
         prompt = target.tokenizer.apply_chat_template([{"role": "user", "content": user}], add_generation_prompt=True)
         for event in engine.generate(prompt, max_tokens=max_tokens):
-            if event[0] == "done":
-                committed, steps = committed + event[1].committed_tokens, steps + event[1].steps
+            if isinstance(event, Done):
+                committed, steps = committed + event.stats.committed_tokens, steps + event.stats.steps
     return committed / steps
 
 

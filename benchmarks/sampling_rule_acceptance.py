@@ -13,6 +13,7 @@ from pathlib import Path
 import mlx_spec  # noqa: F401  (loads OpenBLAS before mlx.core)
 from mlx_spec.drafters import draft_tokens, make_drafter
 from mlx_spec.engine import Engine
+from mlx_spec.events import Collector
 from mlx_spec.convert.default import default_model_path
 from mlx_spec.models.target import load_target
 from mlx_spec.sampling import SamplingParams
@@ -40,7 +41,7 @@ def main():
                             seed=0, residual=residual, adaptive=False)
             proposed = accepted = committed = steps = 0
             for prompt in prompts:
-                stats = [e[1] for e in engine.generate(prompt, max_tokens=args.max_tokens) if e[0] == "done"][0]
+                stats = Collector.of(engine.generate(prompt, max_tokens=args.max_tokens)).stats
                 proposed, accepted = proposed + stats.verified_drafts, accepted + stats.accepted_drafts
                 committed, steps = committed + stats.committed_tokens, steps + stats.steps
             print(f"{method} k={k} temp {args.temp} {'residual' if residual else 'seeded  '} rule: "

@@ -46,11 +46,13 @@ def rapid_mlx_drafter():
 
 def answer(engine, tokenizer, turns, max_tokens):
     """Answer a conversation's turns in order (each answer joins the history)."""
+    from mlx_spec.events import Collector
+
     history = []
     for user in turns:
         history.append({"role": "user", "content": user})
         prompt = tokenizer.apply_chat_template(history, add_generation_prompt=True)
-        tokens = [e[1] for e in engine.generate(prompt, max_tokens=max_tokens) if e[0] == "token"]
+        tokens = Collector.of(engine.generate(prompt, max_tokens=max_tokens)).tokens
         history.append({"role": "assistant", "content": tokenizer.decode(tokens)})
 
 

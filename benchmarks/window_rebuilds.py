@@ -23,6 +23,7 @@ from mlx.utils import tree_map
 from mlx_spec.drafters.draft_model import DraftModelDrafter
 from mlx_spec.drafters.lookup import LookupDrafter
 from mlx_spec.engine import Engine
+from mlx_spec.events import Step, Token
 from mlx_spec.models.target import Target
 
 
@@ -76,11 +77,11 @@ def main():
                 for turn in range(3):
                     output = []
                     for event in engine.generate(context, max_tokens=200):
-                        if event[0] == "step":
+                        if isinstance(event, Step):
                             steps += 1
-                            rollbacks += event[2] < event[1]
-                        elif event[0] == "token":
-                            output.append(event[1])
+                            rollbacks += event.accepted < event.verified
+                        elif isinstance(event, Token):
+                            output.append(event.id)
                     context = context + output + [3, 4]
                 # An earlier message edited: the new prompt leaves the conversation 10 tokens in,
                 # far behind the window (mlx-lm's own prompt cache cannot trim back there either).

@@ -12,12 +12,13 @@ resolved here, once, for the CLI too."""
 import secrets
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Iterator, List, Optional, Sequence, Union
 
-from .engine import Engine, Stats
+from .engine import Engine
 from .errors import MlxSpecError
+from .events import Collector, Event, Failed, Prefilled, Stats, Text, Token
 from .hub import resolve
 
 # The finish reasons mlx-lm and the OpenAI API use, for the engine's.
@@ -44,75 +45,64 @@ def draft_model_path(method: str, draft_model: Optional[str]) -> Optional[str]:
     return draft_model
 
 
-def load(path_or_hf_repo: Optional[str] = None, draft: str = "lookup", draft_model: Optional[str] = None,
-         num_draft_tokens: Optional[int] = None, dtype: str = "auto", revision: Optional[str] = None,
-         adaptive: bool = True, stop_early: bool = False, residual_sampling: bool = False,
-         sessions: bool = False, ngram_max: Optional[int] = None, ngram_min: Optional[int] = None,
-         tree_budget: Optional[int] = None, tree_topk: Optional[int] = None, exit_layer: Optional[int] = None,
-         suffix_memory: Optional[str] = None, kv_bits: Optional[int] = None, kv_group_size: int = 64,
-         quantized_kv_start: int = 5000, max_kv_size: Optional[int] = None, sharding: Optional[str] = None,
-         rank_timeout: Optional[float] = None, **sampling):
+def load(path_or_hf_repo: Optional[str] = None, **settings):
     """(model, tokenizer): the target (default: the embedded SmolLM2-135M-Instruct) with the
-    draft source `draft` (see mlx_spec.drafters.DRAFTERS; `draft_model`: its checkpoint or draft
-    model, a directory or repo id), adaptive by default. The source's own options (ngram_*,
-    tree_*, exit_layer, suffix_memory) default to its registry entry's (None: not given); one it does not read
-    is refused. kv_bits, kv_group_size, quantized_kv_start: mlx-lm's quantized KV cache (with
-    draft="none" only: see cache.KVQuantization); max_kv_size: its bounded one.
-    sharding ("tensor" or "pipeline"): the target split over the processes mlx.launch started
-    (distributed.py): rank 0 gets the engine; on the other ranks load serves rank 0's passes and
-    ends the process when rank 0 is done (or gone); rank_timeout: seconds rank 0 waits for them.
-    `sampling` (temp, top_p, top_k, min_p, seed) sets the engine's defaults, which each generate
-    call may override."""
-    from .cache import KVQuantization, is_bounded
-    from .drafters import DRAFTERS, draft_tokens, make_drafter, source_options, sources_reading
+    draft source `draft` (default "lookup"; see mlx_spec.drafters.DRAFTERS), adaptive by
+    default. Every setting is an EngineConfig field, named as the CLI's options (config.py:
+    draft, draft_model, num_draft_tokens, adaptive, stop_early, the source's own ngram_*,
+    tree_*, suffix_memory, exit_layer; dtype, revision; temp, top_p, top_k, min_p, seed,
+    residual_sampling; mlx-lm's max_kv_size, kv_bits, kv_group_size, quantized_kv_start;
+    sharding, rank_timeout; sessions). `draft_model`: a directory or a repo id. An option the
+    source does not read is refused. kv_bits: mlx-lm's quantized KV cache (with draft="none"
+    only: see cache.KVQuantization). sharding ("tensor" or "pipeline"): the target split over
+    the processes mlx.launch started (distributed.py): rank 0 gets the engine; on the other
+    ranks load serves rank 0's passes and ends the process when rank 0 is done (or gone).
+    The sampling settings are the engine's defaults, which each generate call may override."""
+    from .cache import is_bounded
+    from .config import EngineConfig, build_engine
     from .models.target import load_target
 
-    num_draft_tokens = draft_tokens(draft, num_draft_tokens)
-    kv_quantization = KVQuantization(kv_bits, kv_group_size, quantized_kv_start) if kv_bits else None
-    if stop_early and not DRAFTERS[draft].stops_early:
-        raise MlxSpecError(f"--stop-early is for --draft {sources_reading('stop_early')}, not --draft {draft}")
-    options = source_options(draft, draft_model=draft_model_path(draft, draft_model), dtype=dtype,
-                             ngram_max=ngram_max, ngram_min=ngram_min, tree_budget=tree_budget,
-                             tree_topk=tree_topk, exit_layer=exit_layer, suffix_memory=suffix_memory)
-    seed = sampling.pop("seed", None)
-    settings = dict(num_draft_tokens=num_draft_tokens, sampling=sampling_params(**sampling), seed=seed,
-                    residual=residual_sampling, adaptive=adaptive, stop_early=stop_early, sessions=sessions,
-                    kv_quantization=kv_quantization, max_kv_size=max_kv_size)
-    if sharding:
-        return _load_split(model_path(path_or_hf_repo, revision), dtype, draft, options, settings, sharding,
-                           rank_timeout)
-    if rank_timeout is not None:
-        raise MlxSpecError("rank_timeout (--rank-timeout) is for a split target: give sharding too")
-    target = load_target(model_path(path_or_hf_repo, revision), dtype)
-    engine = Engine(target, make_drafter(draft, target, options), **settings)
-    if max_kv_size and not is_bounded(engine.cache):
+    _refuse_sampler(settings)
+    config = EngineConfig.of(path_or_hf_repo=path_or_hf_repo, **settings)
+    draft = config.draft
+    config = replace(config, draft=replace(draft, draft_model=draft_model_path(draft.draft, draft.draft_model)))
+    path = model_path(config.model.path_or_hf_repo, config.model.revision)
+    if config.split.sharding:
+        return _load_split(path, config)
+    target = load_target(path, config.model.dtype)
+    engine = build_engine(target, config)
+    if config.cache.max_kv_size and not is_bounded(engine.cache):
         print(f"mlx-spec: --max-kv-size: this {target.model_type} model builds its own cache, which mlx-lm "
               "does not bound either", file=sys.stderr)
     return engine, target.tokenizer
 
 
-def _load_split(path, dtype, draft, options, settings, sharding, rank_timeout):
+def _load_split(path, config):
     """load's (engine, tokenizer) on rank 0 of a split target; the other ranks follow it, then exit."""
     import atexit
 
+    from .config import build_engine, engine_settings
     from .distributed import SplitTarget
-    from .drafters import make_drafter
 
-    split = SplitTarget(path, dtype, sharding, rank_timeout)
+    split = SplitTarget(path, config.model.dtype, config.split.sharding, config.split.rank_timeout)
     if not split.leader:
-        split.follow(**settings)
+        split.follow(**engine_settings(config))
         sys.exit(0)
-    engine = split.engine(make_drafter(draft, split.target, options), **settings)
+    engine = build_engine(split.target, config, split)
     atexit.register(engine.close)   # for a caller that never closes it
     return engine, split.target.tokenizer
+
+
+def _refuse_sampler(settings: dict) -> None:
+    if "sampler" in settings:
+        raise MlxSpecError("mlx-spec samples from the target's distribution itself (exactly, whatever "
+                           "the drafts): pass temp, top_p, top_k, min_p instead of a sampler")
 
 
 def sampling_params(temp: float = 0.0, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0, **unknown):
     from .sampling import SamplingParams
 
-    if "sampler" in unknown:
-        raise MlxSpecError("mlx-spec samples from the target's distribution itself (exactly, whatever "
-                           "the drafts): pass temp, top_p, top_k, min_p instead of a sampler")
+    _refuse_sampler(unknown)
     if unknown:
         raise MlxSpecError(f"unknown argument {sorted(unknown)[0]!r}: mlx-spec takes temp, top_p, top_k, "
                            "min_p, seed, max_tokens, stop")
@@ -163,7 +153,7 @@ class Responses:
     that the last one (from `last`) carries the finish reason and the stats."""
 
     def __init__(self):
-        self.stats, self.pending, self.drafted_left = None, None, 0
+        self.stats, self.pending = None, None
         self.start = time.perf_counter()
 
     def _response(self, token, text, from_draft) -> GenerationResponse:
@@ -178,18 +168,15 @@ class Responses:
             peak_memory=mx.get_peak_memory() / 1e9, steps=stats.steps,
             tokens_per_step=stats.tokens_per_step, acceptance_rate=stats.acceptance_rate)
 
-    def add(self, event) -> Iterator[GenerationResponse]:
-        if event[0] == "prefill":
-            self.stats = event[1]
-        elif event[0] == "step":
-            self.drafted_left = event[2]
-        elif event[0] == "token":
+    def add(self, event: Event) -> Iterator[GenerationResponse]:
+        if isinstance(event, Prefilled):
+            self.stats = event.stats
+        elif isinstance(event, Token):
             if self.pending is not None:
                 yield self.pending
-            self.pending = self._response(event[1], event[2], self.drafted_left > 0)
-            self.drafted_left -= 1
-        elif event[0] == "text":
-            self.pending.text += event[1]
+            self.pending = self._response(event.id, event.text, event.from_draft)
+        elif isinstance(event, Text):
+            self.pending.text += event.text
 
     def last(self) -> GenerationResponse:
         """The last response, once the generation is done."""
@@ -243,15 +230,11 @@ def batch_generate(model: Engine, tokenizer, prompts: Sequence[Prompt], max_toke
     batch = BatchEngine.spawned(model, min(max_batch, max(1, len(prompts))))
     requests = [dict(prompt=_encode(tokenizer, prompt), max_tokens=max_tokens, stop_strings=list(stop),
                      sampling=params, seed=None if seed is None else seed + i) for i, prompt in enumerate(prompts)]
-    texts, stats = [[] for _ in prompts], [None] * len(prompts)
+    collected = [Collector() for _ in prompts]
     for i, event in batch.generate_all(requests):
-        if event[0] in ("token", "text"):
-            texts[i].append(event[-1])
-        elif event[0] == "done":
-            stats[i] = event[1]
-        elif event[0] == "error":
-            raise event[1]
-    return BatchResponse(["".join(t) for t in texts], stats)
+        if isinstance(collected[i].add(event), Failed):
+            raise event.error
+    return BatchResponse([c.text for c in collected], [c.stats for c in collected])
 
 
 def generate(model: Engine, tokenizer, prompt: Prompt, verbose: bool = False, **kwargs) -> str:

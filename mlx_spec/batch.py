@@ -26,6 +26,7 @@ from .cost import LinearCost
 from .drafters.base import Draft
 from .engine import PREFILL_CHUNK, Engine, PendingPrefill, PendingVerification, Verdict
 from .errors import MlxSpecError
+from .events import Event, Failed, Prefilled
 from .sampling import SamplingParams
 from .verify import verify_chain
 
@@ -87,10 +88,10 @@ class BatchEngine:
         self.rows.append(row)
         return row
 
-    def generate_all(self, requests: Sequence[dict]) -> Iterator[Tuple[int, tuple]]:
+    def generate_all(self, requests: Sequence[dict]) -> Iterator[Tuple[int, Event]]:
         """Every request (add's keyword arguments), in order, as many at once as engines are
         idle (continuous batching); (the request's index, each of its events), each request's
-        in order. A request that fails yields ("error", exception) and the others go on."""
+        in order. A request that fails yields Failed and the others go on."""
         todo, index = list(enumerate(requests)), {}
         while todo or self.rows:
             while todo and self.idle:
@@ -107,11 +108,11 @@ class BatchEngine:
             self._leave(row)
         row.engine.reset()
 
-    def step(self) -> List[Tuple[Row, tuple]]:
+    def step(self) -> List[Tuple[Row, Event]]:
         """One step of every row: new rows prefill (in passes they share) and join, each row
         drafts, one target pass verifies every row's drafts, each row commits. Returns the rows'
-        events (Engine.generate's, and ("error", exception) for a row that failed and left),
-        each row's in order."""
+        events (Engine.generate's, and Failed for a row that failed and left), each row's in
+        order."""
         events, prefills = [], []
         for row in list(self.rows):
             pending = self._advance(row, row.verdict, events)
@@ -138,7 +139,7 @@ class BatchEngine:
             row.started, row.verdict = True, None
             while not isinstance(event, (PendingPrefill, PendingVerification)):
                 events.append((row, event))
-                if event[0] == "prefill":
+                if isinstance(event, Prefilled):
                     self._join(row)
                 event = next(row.run)
         except StopIteration:
@@ -152,7 +153,7 @@ class BatchEngine:
         return event
 
     def _fail(self, row: Row, error: Exception, events: list) -> None:
-        events.append((row, ("error", error)))
+        events.append((row, Failed(error)))
         row.run.close()
         self._leave(row)
         row.engine.reset()

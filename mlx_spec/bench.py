@@ -31,6 +31,7 @@ import mlx.core as mx
 
 from .distributed import PLAIN
 from .errors import MlxSpecError
+from .events import Collector, Failed, Step, Text, Token
 from .sampling import Sampler
 
 
@@ -134,9 +135,9 @@ def baseline_sampler(sampling, seed: int, residual: bool = False):
     return Sampler(sampling, seed)
 
 
-def baseline_steps(target, prompt_tokens, max_tokens, sampler, out: dict, cache_flags: Optional[dict] = None,
-                   channel=None):
-    """Plain mlx-lm on the same weights, one step per iteration; out gets "tokens" and "text".
+def baseline_steps(target, prompt_tokens, max_tokens, sampler, collected: Collector,
+                   cache_flags: Optional[dict] = None, channel=None):
+    """Plain mlx-lm on the same weights, one step per iteration, its tokens and text collected.
     sampler: mlx-lm's, or a Sampler whose seeded rule is drawn with (seeded_sampler);
     cache_flags: stream_generate's kv_bits, kv_group_size, quantized_kv_start; channel: a split
     target's (rank 0), whose other ranks are ordered to run the same (follow_baseline)."""
@@ -147,43 +148,41 @@ def baseline_steps(target, prompt_tokens, max_tokens, sampler, out: dict, cache_
         channel.send(PLAIN, [max_tokens, *prompt_tokens])
     if isinstance(sampler, Sampler):
         sampler = seeded_sampler(sampler, len(prompt_tokens))
-    tokens, pieces, eos = [], [], set(target.eos_token_ids)
-    out.update(tokens=tokens)
+    eos = set(target.eos_token_ids)
     for response in stream_generate(target.model, target.tokenizer, prompt_tokens,
                                      max_tokens=max_tokens, sampler=sampler, **(cache_flags or {})):
-        pieces.append(response.text)
-        if response.token not in eos:
-            tokens.append(response.token)
+        collected.add(Text(response.text) if response.token in eos else Token(response.token, response.text))
         yield
-    out["text"] = "".join(pieces)
     mx.synchronize(generation_stream)   # the step computed ahead: its time (and collectives) end here
 
 
 def follow_baseline(target, sampler, cache_flags: Optional[dict] = None) -> Callable[[List[int]], None]:
     """Another rank's side of baseline_steps over a split target (Follower.follow's plain)."""
     def run(order: List[int]) -> None:
-        for _ in baseline_steps(target, order[1:], order[0], sampler, {}, cache_flags):
+        for _ in baseline_steps(target, order[1:], order[0], sampler, Collector(), cache_flags):
             pass
     return run
 
 
-def method_steps(engine, prompt_tokens, max_tokens, out: dict):
+def method_steps(engine, prompt_tokens, max_tokens, collected: Collector):
     """One engine generation on a fresh cache, as the baseline has, one verification step per
-    iteration; out gets "tokens", "text", "stats" and "histogram" (tokens committed per step)."""
+    iteration, collected."""
     engine.reset()
-    tokens, pieces, histogram = [], [], Counter()
-    out.update(tokens=tokens, histogram=histogram)
     for event in engine.generate(prompt_tokens, max_tokens=max_tokens):
-        if event[0] == "token":
-            tokens.append(event[1])
-        if event[0] in ("token", "text"):
-            pieces.append(event[-1])
-        elif event[0] == "step":
-            histogram[event[2] + 1] += 1
+        if isinstance(collected.add(event), Step):
             yield
-        elif event[0] == "done":
-            out["stats"] = event[1]
-    out["text"] = "".join(pieces)
+
+
+def _record(method, item, turn, repeat, run: Collector, seconds, base_tokens, base_seconds, compared) -> Record:
+    """One generation's record beside the baseline's; compared: whether its tokens must equal
+    the baseline's (greedy, or seeded sampling)."""
+    stats, diff = run.stats, _first_difference(run.tokens, base_tokens)
+    return Record(method=method, category=item["category"], question_id=item["question_id"], turn=turn,
+                  repeat=repeat, generated_tokens=len(run.tokens), seconds=seconds, steps=stats.steps,
+                  plain_steps=stats.plain_steps, verified_drafts=stats.verified_drafts,
+                  accepted_drafts=stats.accepted_drafts, baseline_tokens=len(base_tokens), baseline_seconds=base_seconds,
+                  identical=(diff is None) if compared else None, first_difference=diff if compared else None,
+                  tokens_per_step_histogram=run.sorted_histogram())
 
 
 def timed_in_turns(runs, turn_seconds=TURN_SECONDS) -> List[float]:
@@ -229,8 +228,8 @@ def run_bench(target, engines: Dict[str, object], items, max_tokens, repeats, sa
     timed = timed_in_turns if channel is None else timed_in_sequence
     tokenizer = target.tokenizer
     warmup = tokenizer.apply_chat_template([{"role": "user", "content": "Hello"}], add_generation_prompt=True)
-    timed([baseline_steps(target, warmup, 8, sampler, {}, cache_flags, channel),
-           *(method_steps(engine, warmup, 8, {}) for engine in engines.values())])
+    timed([baseline_steps(target, warmup, 8, sampler, Collector(), cache_flags, channel),
+           *(method_steps(engine, warmup, 8, Collector()) for engine in engines.values())])
     mx.random.seed(seed)
 
     records = []
@@ -244,7 +243,7 @@ def run_bench(target, engines: Dict[str, object], items, max_tokens, repeats, sa
 
                 base_prompt = prompt_of("baseline")
                 for name, engine in engines.items():
-                    base, run = {}, {}
+                    base, run = Collector(), Collector()
                     runs = [baseline_steps(target, base_prompt, max_tokens, sampler, base, cache_flags, channel),
                             method_steps(engine, prompt_of(name), max_tokens, run)]
                     # Who starts alternates (one record per pair): neither always gets the
@@ -252,23 +251,14 @@ def run_bench(target, engines: Dict[str, object], items, max_tokens, repeats, sa
                     order = [0, 1] if len(records) % 2 == 0 else [1, 0]
                     seconds_in_order = timed([runs[i] for i in order])
                     base_seconds, seconds = (seconds_in_order[order.index(0)], seconds_in_order[order.index(1)])
-                    histories[name].append({"role": "assistant", "content": run["text"]})
-                    stats, base_tokens = run["stats"], base["tokens"]
-                    diff = _first_difference(run["tokens"], base_tokens)
-                    records.append(Record(
-                        method=name, category=item["category"], question_id=item["question_id"],
-                        turn=turn, repeat=repeat, generated_tokens=len(run["tokens"]), seconds=seconds,
-                        steps=stats.steps, plain_steps=stats.plain_steps, verified_drafts=stats.verified_drafts,
-                        accepted_drafts=stats.accepted_drafts,
-                        baseline_tokens=len(base_tokens), baseline_seconds=base_seconds,
-                        identical=(diff is None) if compared else None,
-                        first_difference=diff if compared else None,
-                        tokens_per_step_histogram=dict(sorted(run["histogram"].items()))))
+                    histories[name].append({"role": "assistant", "content": run.text})
+                    records.append(_record(name, item, turn, repeat, run, seconds, base.tokens, base_seconds,
+                                           compared))
                     if progress is not None:
                         progress(1)
                 # The next turn follows the baseline's answer (the same text in every pair
                 # where outputs are compared).
-                histories["baseline"].append({"role": "assistant", "content": base["text"]})
+                histories["baseline"].append({"role": "assistant", "content": base.text})
     return records
 
 
@@ -304,24 +294,17 @@ def run_concurrent(target, engines: Dict[str, object], items, max_tokens, repeat
                 if r.finish_reason != "stop":   # "stop": the EOS token, not output
                     tokens[r.uid].append(r.token)
         generator.close()
-        return [dict(tokens=tokens[uid]) for uid in uids]
+        return [tokens[uid] for uid in uids]
 
     def method(batch):
         for engine in batch.engines:   # fresh caches, as the baseline's
             engine.reset()
-        out = [dict(tokens=[], histogram=Counter()) for _ in prompts]
+        collected = [Collector() for _ in prompts]
         requests = [dict(prompt=prompt, max_tokens=max_tokens, seed=seed + i) for i, prompt in enumerate(prompts)]
         for i, event in batch.generate_all(requests):
-            result = out[i]
-            if event[0] == "token":
-                result["tokens"].append(event[1])
-            elif event[0] == "step":
-                result["histogram"][event[2] + 1] += 1
-            elif event[0] == "done":
-                result["stats"] = event[1]
-            elif event[0] == "error":
-                raise event[1]
-        return out
+            if isinstance(collected[i].add(event), Failed):
+                raise event.error
+        return collected
 
     def timed(run):
         tic = time.perf_counter()
@@ -329,9 +312,9 @@ def run_concurrent(target, engines: Dict[str, object], items, max_tokens, repeat
         mx.synchronize()
         return results, time.perf_counter() - tic
 
-    def share(results, seconds):
-        total = sum(len(r["tokens"]) for r in results) or 1
-        return [seconds * len(r["tokens"]) / total for r in results]
+    def share(tokens, seconds):
+        total = sum(len(t) for t in tokens) or 1
+        return [seconds * len(t) / total for t in tokens]
 
     baseline(prompts[:1], 8)   # warm-up on the first prompt: both paths build their graphs once
     for batch in batches.values():
@@ -346,18 +329,9 @@ def run_concurrent(target, engines: Dict[str, object], items, max_tokens, repeat
             timings = {i: timed(runs[i]) for i in order}
             (base, base_seconds), (results, seconds) = timings[0], timings[1]
             for item, result, spent, reference, base_spent in zip(
-                    items, results, share(results, seconds), base, share(base, base_seconds)):
-                stats = result["stats"]
-                diff = _first_difference(result["tokens"], reference["tokens"])
-                records.append(Record(
-                    method=name, category="all", question_id=item["question_id"], turn=0, repeat=repeat,
-                    generated_tokens=len(result["tokens"]), seconds=spent, steps=stats.steps,
-                    plain_steps=stats.plain_steps, verified_drafts=stats.verified_drafts,
-                    accepted_drafts=stats.accepted_drafts,
-                    baseline_tokens=len(reference["tokens"]), baseline_seconds=base_spent,
-                    identical=(diff is None) if sampling.greedy else None,
-                    first_difference=diff if sampling.greedy else None,
-                    tokens_per_step_histogram=dict(sorted(result["histogram"].items()))))
+                    items, results, share([r.tokens for r in results], seconds), base, share(base, base_seconds)):
+                records.append(_record(name, dict(item, category="all"), 0, repeat, result, spent, reference,
+                                       base_spent, compared=sampling.greedy))
             if progress is not None:
                 progress(len(items))
     return records

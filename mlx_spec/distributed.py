@@ -455,3 +455,8 @@ class SplitTarget:
     def close(self) -> None:
         """Rank 0: let the others go."""
         self.channel.send(STOP)
+
+    def leaders(self, value: int) -> int:
+        """Rank 0's `value` (an int32) on every rank: one collective, before rank 0 orders any
+        (a seed each rank drew must be the same)."""
+        return self.channel._all_sum([value if self.leader else 0])[0]

@@ -4,9 +4,9 @@ A verification step runs the target once over [last committed token, x_1..x_k]. 
 (n accepted drafts, the target's own next token) is computed on the device and read with one
 sync; the target's cache then rolls back by offset to the committed prefix.
 
-`generate` yields events: ("prefill", Stats) once the prompt is in the cache, ("step", proposed,
-accepted), ("token", token_id, text_segment), ("text", segment) for text the detokenizer releases
-only at the end, and finally ("done", Stats) (the same Stats object, complete).
+`generate` yields the events of events.py: Prefilled once the prompt is in the cache, a Step and
+the Tokens it committed at each verification step, a Text for text the detokenizer releases only
+at the end, and finally Done (with the same Stats object, complete).
 
 A generator closed at one of its events (a client gone, a `break`) leaves the cache as it is,
 consistent with what was committed, so the next call reuses it.
@@ -15,7 +15,7 @@ consistent with what was committed, so the next call reuses it.
 import copy
 import secrets
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, List, Optional, Sequence
 
 import mlx.core as mx
@@ -24,6 +24,7 @@ from .cache import (QUANTIZED_SPECULATION, KVQuantization, Replay, batchable, ch
                     common_prefix_length, is_quantized, is_recurrent, make_cache, rollback_to, verification)
 from .drafters.base import Draft, Drafter, NoDrafter
 from .errors import MlxSpecError
+from .events import Done, Event, Prefilled, Stats, Step, Text, Token
 from .policy import DraftPlan, DraftPolicy, StepOutcome
 from .sampling import Sampler, SamplingParams
 from .tree import Tree, compact, tree_forward, verify_tree
@@ -31,75 +32,6 @@ from .verify import verify_chain
 
 PREFILL_CHUNK = 2048   # mlx-lm's prefill_step_size
 UNKNOWN_TOKEN = -1     # a cached position whose token is not known (Engine.resume)
-
-
-# Every statistic of a generation, defined once: `generate --json` writes these keys in this
-# order, the README's table lists them, the server's usage and bench read the same names.
-STATISTICS = {
-    "prompt_tokens": "tokens in the prompt",
-    "prompt_cached": "prompt tokens whose K/V the cache already held (an earlier call or request)",
-    "prompt_seconds": "seconds computing the other prompt tokens but the last (the first step feeds it)",
-    "prompt_tokens_per_second": "those tokens per second; null where there were none (a one-token prompt, "
-                                "or a prompt the cache held but its last token)",
-    "generated_tokens": "tokens of the reply (an end-of-text token that ends it is not one)",
-    "generate_seconds": "seconds from the end of the prompt to the end of the reply",
-    "tokens_per_second": "generated_tokens / generate_seconds",
-    "steps": "verification steps: target passes over [last token + the drafts kept]",
-    "plain_steps": "steps that verified no draft (the policy judged drafting not worth it, or nothing was drafted)",
-    "committed_tokens": "tokens the steps committed: accepted drafts + one target token per step (an "
-                        "end-of-text token included)",
-    "tokens_per_step": "committed_tokens / steps (tau; plain decoding: 1)",
-    "drafted_tokens": "tokens the drafter proposed, verified or not (a tree's nodes; the policy verifies "
-                      "only those that pay)",
-    "verified_drafts": "drafted tokens a step verified",
-    "verified_drafts_per_step": "verified_drafts / steps",
-    "accepted_drafts": "verified drafts the target accepted (each a token committed without a pass of its own)",
-    "acceptance_rate": "accepted_drafts / verified_drafts",
-    "seed": "the seed that repeats a sampled reply (with the same prompt and settings)",
-    "finish_reason": "eos (end of text), stop (a stop string), length (max tokens) or interrupted",
-}
-
-
-@dataclass
-class Stats:
-    """A generation's record (STATISTICS defines each figure)."""
-    prompt_tokens: int = 0
-    prompt_cached: int = 0
-    prompt_seconds: float = 0.0
-    generated_tokens: int = 0
-    committed_tokens: int = 0
-    steps: int = 0
-    plain_steps: int = 0
-    drafted_tokens: int = 0
-    verified_drafts: int = 0
-    accepted_drafts: int = 0
-    generate_seconds: float = 0.0
-    finish_reason: str = ""
-    seed: int = 0
-
-    @property
-    def tokens_per_step(self) -> float:
-        return self.committed_tokens / self.steps if self.steps else 0.0
-
-    @property
-    def verified_drafts_per_step(self) -> float:
-        return self.verified_drafts / self.steps if self.steps else 0.0
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.accepted_drafts / self.verified_drafts if self.verified_drafts else 0.0
-
-    @property
-    def tokens_per_second(self) -> float:
-        return self.generated_tokens / self.generate_seconds if self.generate_seconds else 0.0
-
-    @property
-    def prompt_tokens_per_second(self) -> Optional[float]:
-        computed = self.prompt_tokens - self.prompt_cached - 1
-        return computed / self.prompt_seconds if computed > 0 and self.prompt_seconds else None
-
-    def as_dict(self) -> dict:
-        return {name: getattr(self, name) for name in STATISTICS}
 
 
 @dataclass
@@ -434,7 +366,7 @@ class Engine:
         return reused
 
     def generate(self, prompt: Sequence[int], max_tokens: int = 256, stop_strings: Sequence[str] = (),
-                 sampling: Optional[SamplingParams] = None, seed: Optional[int] = None) -> Iterator[tuple]:
+                 sampling: Optional[SamplingParams] = None, seed: Optional[int] = None) -> Iterator[Event]:
         """sampling: this call's settings (default: the engine's); seed: this call's and the
         next calls' (default: the last one)."""
         run = self.run(prompt, max_tokens, stop_strings, sampling, seed)
@@ -482,7 +414,7 @@ class Engine:
         tic = time.perf_counter()
         stats.prompt_cached = yield from self._prefill(prompt)
         stats.prompt_seconds = time.perf_counter() - tic
-        yield ("prefill", stats)
+        yield Prefilled(stats)
 
         output = _Output(self.target, stop_strings, max_tokens, stats)
         context = list(prompt)      # every committed token; context[-1] is not in the cache yet
@@ -500,11 +432,11 @@ class Engine:
                 stats.verified_drafts += len(step.drafts)
                 stats.accepted_drafts += len(accepted)
                 stats.committed_tokens += len(accepted) + 1
-                yield ("step", len(step.drafts), len(accepted))
+                yield Step(len(step.drafts), len(accepted))
 
-                for token in accepted + [step.next_token]:   # EOS, a stop string or the limit may
-                    context.append(token)               # end the output inside the drafts
-                    yield from output.add(token)
+                for i, token in enumerate(accepted + [step.next_token]):   # EOS, a stop string or the
+                    context.append(token)                                   # limit may end the output
+                    yield from output.add(token, from_draft=i < len(accepted))   # inside the drafts
                     if stats.finish_reason:
                         break
             yield from output.flush()
@@ -519,7 +451,7 @@ class Engine:
         # Drafts committed past EOS/stop/limit are dropped: the cache keeps only what is kept.
         self._roll_back(len(context) - 1)
         self.drafter.finish(context[len(prompt):])
-        yield ("done", stats)
+        yield Done(stats)
 
     def _check(self, prompt: List[int], max_tokens: int) -> None:
         if not prompt:
@@ -575,7 +507,7 @@ class _Output:
         segment, self.printed = self.text[self.printed:end], max(self.printed, end)
         return segment
 
-    def add(self, token: int):
+    def add(self, token: int, from_draft: bool):
         stats = self.stats
         if token in self.eos:
             stats.finish_reason = "eos"
@@ -584,7 +516,7 @@ class _Output:
         if self.detokenizer is not None:
             self.detokenizer.add_token(token)
             self.text += self.detokenizer.last_segment
-        yield ("token", token, self._release())
+        yield Token(token, self._release(), from_draft)
         if not stats.finish_reason and stats.generated_tokens >= self.max_tokens:
             stats.finish_reason = "length"
 
@@ -594,4 +526,4 @@ class _Output:
             self.text += self.detokenizer.last_segment
             # Nothing more will come: what was held back for a stop string is text after all.
             if self.text[self.printed:]:
-                yield ("text", self.text[self.printed:])
+                yield Text(self.text[self.printed:])

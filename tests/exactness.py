@@ -12,6 +12,7 @@ import numpy as np
 from scipy.stats import chisquare
 
 from mlx_spec.engine import Engine
+from mlx_spec.events import Collector
 from mlx_spec.sampling import probs
 
 VOCAB = 16
@@ -39,11 +40,7 @@ def draw(engine: Engine, prompt, n_tokens, n_samples):
     counts = Counter()
     for seed in range(n_samples):
         engine.sampler.reseed(seed)
-        tokens = []
-        for event in engine.generate(prompt, max_tokens=n_tokens):
-            if event[0] == "token":
-                tokens.append(event[1])
-        counts[tuple(tokens)] += 1
+        counts[tuple(Collector.of(engine.generate(prompt, max_tokens=n_tokens)).tokens)] += 1
     return counts
 
 

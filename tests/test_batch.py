@@ -15,6 +15,7 @@ from mlx_spec.drafters.eagle import EagleDrafter
 from mlx_spec.drafters.lookup import LookupDrafter
 from mlx_spec.engine import Engine
 from mlx_spec.errors import MlxSpecError
+from mlx_spec.events import Collector, Failed, Token
 from mlx_spec.sampling import SamplingParams
 
 PROMPTS = [
@@ -44,16 +45,11 @@ class PerPromptScript(ScriptedDrafter):
 def batch_run(batch, requests):
     """Run every request (prompt, kwargs) through the batch (BatchEngine.generate_all);
     {request index: (tokens, stats)}."""
-    results = {i: ([], None) for i in range(len(requests))}
+    collected = {i: Collector() for i in range(len(requests))}
     for i, event in batch.generate_all([dict(prompt=p, **kwargs) for p, kwargs in requests]):
-        tokens, _ = results[i]
-        if event[0] == "token":
-            tokens.append(event[1])
-        elif event[0] == "done":
-            results[i] = (tokens, event[1])
-        elif event[0] == "error":
-            raise event[1]
-    return results
+        if isinstance(collected[i].add(event), Failed):
+            raise event.error
+    return {i: (c.tokens, c.stats) for i, c in collected.items()}
 
 
 @pytest.fixture(scope="module")
@@ -96,8 +92,8 @@ def test_mixed_sources_in_one_batch(target, references):
     outputs = {id(r): [] for r in rows}
     while batch.rows:
         for row, event in batch.step():
-            if event[0] == "token":
-                outputs[id(row)].append(event[1])
+            if isinstance(event, Token):
+                outputs[id(row)].append(event.id)
     for prompt, row in zip(PROMPTS, rows):
         assert outputs[id(row)] == references[tuple(prompt)]
     assert engines[0].cached_tokens[:len(PROMPTS[0])] == PROMPTS[0]
@@ -172,13 +168,13 @@ def test_a_removed_row_leaves_the_others_alone(target, references):
     outputs = {id(r): [] for r in rows}
     for _ in range(3):
         for row, event in batch.step():
-            if event[0] == "token":
-                outputs[id(row)].append(event[1])
+            if isinstance(event, Token):
+                outputs[id(row)].append(event.id)
     batch.remove(rows[1])
     while batch.rows:
         for row, event in batch.step():
-            if event[0] == "token":
-                outputs[id(row)].append(event[1])
+            if isinstance(event, Token):
+                outputs[id(row)].append(event.id)
     for i in (0, 2):
         assert outputs[id(rows[i])] == references[tuple(PROMPTS[i])][:30]
     tokens, _ = batch_run(batch, [(PROMPTS[1], dict(max_tokens=30))])[0]   # the engine is reusable
@@ -192,9 +188,9 @@ def test_a_failing_row_fails_alone(target, references):
     events = []
     while batch.rows:
         events += batch.step()
-    errors = [e for r, e in events if e[0] == "error"]
-    assert len(errors) == 1 and isinstance(errors[0][1], MlxSpecError)
-    assert [e[1] for r, e in events if r is good and e[0] == "token"] == references[tuple(PROMPTS[0])][:10]
+    errors = [e for r, e in events if isinstance(e, Failed)]
+    assert len(errors) == 1 and isinstance(errors[0].error, MlxSpecError)
+    assert [e.id for r, e in events if r is good and isinstance(e, Token)] == references[tuple(PROMPTS[0])][:10]
 
 
 def test_what_cannot_share_a_pass_is_refused_in_one_line(target):

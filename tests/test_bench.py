@@ -4,12 +4,15 @@ import json
 import subprocess
 import sys
 
+from dataclasses import replace
+
 import pytest
 from tiny import tiny_chat_model_dir
 
 from mlx_spec import bench
 from mlx_spec.drafters.lookup import LookupDrafter
 from mlx_spec.engine import Engine
+from mlx_spec.events import Token
 from mlx_spec.models.target import load_target
 from mlx_spec.sampling import SamplingParams
 
@@ -25,10 +28,10 @@ class DivergentEngine(Engine):
     def generate(self, prompt, max_tokens=256, stop_strings=()):
         n = 0
         for event in super().generate(prompt, max_tokens, stop_strings):
-            if event[0] == "token":
+            if isinstance(event, Token):
                 n += 1
                 if n == 6:
-                    event = ("token", (event[1] + 1) % 100, event[2])
+                    event = replace(event, id=(event.id + 1) % 100)
             yield event
 
 
@@ -187,10 +190,10 @@ class DivergentRun(Engine):
         n, events = 0, super().run(prompt, max_tokens, stop_strings, sampling, seed)
         event = next(events)
         while True:
-            if isinstance(event, tuple) and event[0] == "token":   # not a pending pass
+            if isinstance(event, Token):   # not a pending pass
                 n += 1
                 if n == 6:
-                    event = ("token", (event[1] + 1) % 100, event[2])
+                    event = replace(event, id=(event.id + 1) % 100)
             try:
                 event = events.send((yield event))
             except StopIteration:

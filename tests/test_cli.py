@@ -37,7 +37,7 @@ def test_generate_json_matches_the_stream():
     assert code == 0, err
     result = json.loads(out)
     assert set(result) == {"text", "tokens", "stats"}
-    from mlx_spec.engine import STATISTICS
+    from mlx_spec.events import STATISTICS
 
     assert list(result["stats"]) == list(STATISTICS)   # every figure, defined once
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
@@ -264,7 +264,7 @@ def test_chat_refuses_a_reply_longer_than_the_context_at_start():
 
 def test_stats_line_says_what_it_counts():
     from mlx_spec.api import stats_line
-    from mlx_spec.engine import Stats
+    from mlx_spec.events import Stats
 
     stats = Stats(prompt_tokens=155, prompt_cached=142, prompt_seconds=0.5, generated_tokens=43,
                   committed_tokens=44, steps=22, verified_drafts=40, accepted_drafts=22, plain_steps=2,
@@ -350,6 +350,26 @@ def test_help_lists_the_everyday_options_first(command):
     assert max(where["--model"], where["--draft"], where["--max-tokens"]) < headings[1] < where["--num-draft-tokens"]
     assert headings[2] < where["--temp"] < headings[3] < where["--kv-bits"] and where["--kv-bits"] > where["--temp"]
     assert where["--sharding"] > headings[2]
+
+
+def test_bench_takes_every_engine_option_generate_takes_with_the_same_defaults():
+    """One configuration (config.py): the commands' options are its fields, declared once."""
+    import click
+
+    from mlx_spec.cli import main
+
+    def options(command):
+        return {p.name: (p.opts, p.default) for p in main.commands[command].params if isinstance(p, click.Option)}
+
+    generate, bench = options("generate"), options("bench")
+    for name in ("temp", "top_p", "top_k", "min_p", "seed", "ngram_max", "suffix_memory", "kv_bits", "sharding",
+                 "num_draft_tokens", "adaptive", "residual_sampling", "dtype", "revision", "path_or_hf_repo"):
+        assert bench[name] == generate[name], name
+    engine_options = set(generate) - {"prompt_opt", "max_tokens", "system", "no_chat_template", "as_json",
+                                      "prompt_cache_file", "help"}
+    # bench's --methods; its --draft-model takes METHOD=PATH (its destination is draft_models)
+    assert engine_options - set(bench) == {"draft", "draft_model"} and bench["draft_models"][0] == ["--draft-model"]
+    assert engine_options - set(options("serve")) == set() and engine_options - set(options("chat")) == set()
 
 
 def test_readme_links_stay_inside_the_repository():

@@ -123,6 +123,7 @@ def drafts_of(drafter_dir, method, prompt="Count from one to ten.", n=24):
     """Every draft proposed while the default model answers, greedy, every draft verified."""
     from mlx_spec.drafters import make_drafter
     from mlx_spec.engine import Engine
+    from mlx_spec.events import Collector
     from mlx_spec.convert.default import default_model_path
     from mlx_spec.models.target import load_target
 
@@ -138,7 +139,7 @@ def drafts_of(drafter_dir, method, prompt="Count from one to ten.", n=24):
     drafter.propose = recording
     engine = Engine(target, drafter, num_draft_tokens=4, adaptive=False)
     prompt = target.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
-    tokens = [e[1] for e in engine.generate(prompt, max_tokens=n) if e[0] == "token"]
+    tokens = Collector.of(engine.generate(prompt, max_tokens=n)).tokens
     return tokens, proposed
 
 

@@ -11,6 +11,7 @@ from mlx_spec.bench_suite import SUITE
 from mlx_spec.drafters import draft_tokens, make_drafter
 from mlx_spec.drafters.lookup import LookupDrafter
 from mlx_spec.engine import Engine
+from mlx_spec.events import Collector
 from mlx_spec.errors import MlxSpecError
 from mlx_spec.convert.default import default_model_path
 from mlx_spec.models.default import SHIPPED_DRAFTERS
@@ -78,15 +79,10 @@ def test_stop_string_inside_a_draft(target):
     full, _ = run(Engine(target), prompt, 60)
     text = target.tokenizer.decode(full)
     stop = text[40:52]
-    pieces = []
     engine = Engine(target, LookupDrafter())
-    for event in engine.generate(prompt, max_tokens=60, stop_strings=[stop]):
-        if event[0] in ("token", "text"):
-            pieces.append(event[-1])
-        if event[0] == "done":
-            stats = event[1]
-    assert stats.finish_reason == "stop"
-    assert "".join(pieces) == text[:text.find(stop)]
+    collected = Collector.of(engine.generate(prompt, max_tokens=60, stop_strings=[stop]))
+    assert collected.stats.finish_reason == "stop"
+    assert collected.text == text[:text.find(stop)]
 
 
 def test_stats_and_tau(target):

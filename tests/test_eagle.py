@@ -13,6 +13,7 @@ from mlx_spec.drafters import make_drafter
 from mlx_spec.drafters.eagle import EagleDrafter
 from mlx_spec.engine import Engine
 from mlx_spec.errors import MlxSpecError
+from mlx_spec.events import Step
 from mlx_spec.models.eagle3 import Model, ModelArgs, default_layer_ids, load_eagle3
 from mlx_spec.models.target import Target
 from mlx_spec.sampling import Sampler, SamplingParams
@@ -156,7 +157,7 @@ def test_drafts_equal_a_recomputation_from_scratch(target, checkpoints):
     model = load_eagle3(checkpoints["safeailab"], target)
     drafter = CheckedDrafter(target, model, target.vocab_size)
     engine = Engine(target, drafter, num_draft_tokens=3, adaptive=False)
-    accepted = [event[2] for event in engine.generate(PROMPT, max_tokens=60) if event[0] == "step"]
+    accepted = [event.accepted for event in engine.generate(PROMPT, max_tokens=60) if isinstance(event, Step)]
     tokens = drafter.context[len(PROMPT):]
     run(engine, PROMPT + tokens + [3, 4], 10)  # a second turn reuses the session's cache
     assert max(accepted) >= 2 and len(drafter.pairs) > 50

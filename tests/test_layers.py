@@ -7,10 +7,10 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parent.parent / "mlx_spec"
 # Lowest first; a module may import from its own layer and those below.
 LAYERS = [
-    {"errors"},
+    {"errors", "events"},
     {"hub", "sampling", "cost", "cache", "verify", "tree", "models", "suffix_memory"},
     {"drafters"},
-    {"policy", "engine", "batch", "distributed"},
+    {"policy", "engine", "batch", "distributed", "config"},
     {"convert", "train", "bench", "bench_suite"},
     {"api"},
     {"server"},

@@ -14,6 +14,7 @@ from mlx_spec.drafters import make_drafter
 from mlx_spec.drafters.layerskip import LayerSkipDrafter
 from mlx_spec.engine import Engine
 from mlx_spec.errors import MlxSpecError
+from mlx_spec.events import Step
 from mlx_spec.sampling import SamplingParams
 
 PROMPT = [1, 5, 7, 9, 11, 13, 2, 5, 7, 9, 11, 13, 2, 5]
@@ -71,9 +72,9 @@ def test_cache_equals_a_plain_run_and_early_layers_run_once():
         engine = Engine(target, LayerSkipDrafter(target, exit_layer), num_draft_tokens=3, adaptive=False)
         steps = accepted = 0
         for event in engine.generate(PROMPT, max_tokens=40):
-            if event[0] != "step":
+            if not isinstance(event, Step):
                 continue
-            steps, accepted = steps + 1, accepted + event[2]
+            steps, accepted = steps + 1, accepted + event.accepted
             # Every layer's cache holds exactly what a plain pass over the cached tokens puts there.
             plain = make_prompt_cache(target.model)
             target.model(mx.array(engine.cached_tokens)[None], cache=plain)

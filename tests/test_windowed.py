@@ -12,6 +12,7 @@ from mlx_spec.cache import rollback_to
 from mlx_spec.drafters.draft_model import DraftModelDrafter
 from mlx_spec.drafters.lookup import LookupDrafter
 from mlx_spec.engine import Engine
+from mlx_spec.events import Collector, Step
 from mlx_spec.errors import MlxSpecError
 
 WINDOW = 8
@@ -221,7 +222,7 @@ def test_cache_after_each_step_is_a_plain_runs(arch):
     engine = NoRebuild(target, ScriptedDrafter(expected, 3, 32), num_draft_tokens=5, adaptive=False)
     steps = 0
     for event in engine.generate(PROMPT, max_tokens=24):
-        if event[0] != "step":
+        if not isinstance(event, Step):
             continue
         steps += 1
         plain = target.model.make_cache()
@@ -356,16 +357,13 @@ def test_tree_drafts_on_recurrent_targets_are_token_identical(arch):
     target = target_of(arch, seed=3)
     expected = plain_greedy(target.model, PROMPT, 41)
     engine = NoRebuild(target, ScriptedTreeDrafter(expected, 32), num_draft_tokens=8, adaptive=False)
-    tokens = []
+    collected = Collector()
     for event in engine.generate(PROMPT, max_tokens=41):
-        if event[0] == "token":
-            tokens.append(event[1])
-        elif event[0] == "step":
+        if isinstance(collected.add(event), Step):
             plain = target.model.make_cache()
             target.model(mx.array(engine.cached_tokens)[None], cache=plain)
             layers_equal(engine.cache, plain, len(engine.cached_tokens))
-        elif event[0] == "done":
-            stats = event[1]
+    tokens, stats = collected.tokens, collected.stats
     assert tokens == expected and stats.tokens_per_step > 3.5
     # 41 tokens end inside a step's path: its last drafts were dropped by a rollback.
     more = PROMPT + tokens + [3, 4]

@@ -8,6 +8,7 @@ from mlx.utils import tree_flatten, tree_map
 
 import mlx_spec  # noqa: F401  (loads OpenBLAS before mlx.core does any work)
 from mlx_spec.drafters.base import Draft, Drafter
+from mlx_spec.events import Collector
 from mlx_spec.models.target import Target
 
 
@@ -56,13 +57,8 @@ def plain_greedy(model, prompt, max_tokens):
 
 def run(engine, prompt, max_tokens, **kwargs):
     """(generated token ids, Stats) of one engine.generate call."""
-    tokens, stats = [], None
-    for event in engine.generate(prompt, max_tokens=max_tokens, **kwargs):
-        if event[0] == "token":
-            tokens.append(event[1])
-        elif event[0] == "done":
-            stats = event[1]
-    return tokens, stats
+    collected = Collector.of(engine.generate(prompt, max_tokens=max_tokens, **kwargs))
+    return collected.tokens, collected.stats
 
 
 def tiny_chat_model_dir(path, seed=0, **config):

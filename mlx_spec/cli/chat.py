@@ -4,9 +4,10 @@ import sys
 
 import click
 
-from ..errors import MlxSpecError, RanksLost
 from ..api import stats_line
-from .common import GroupedCommand, echo_err, load_engine, model_label, model_options, reports_errors, stream
+from ..errors import MlxSpecError, RanksLost
+from ..events import Collector
+from .common import GroupedCommand, echo_err, load_engine, model_label, config_options, reports_errors, stream
 
 COMMANDS = {
     "/help": "list these commands",
@@ -64,7 +65,7 @@ class CtrlC:
 
 
 @click.command("chat", cls=GroupedCommand, short_help="Chat in the terminal, with line editing and history.")
-@model_options
+@config_options()
 @click.option("--max-tokens", "-m", type=click.IntRange(1), default=512, show_default=True,
               help="Most tokens per reply (fewer when the conversation nears the context limit).")
 @click.option("--system", default=None, help="System message.")
@@ -121,18 +122,18 @@ def chat(max_tokens, system, **options):
             echo_err(f"the conversation ({len(tokens)} tokens with this message) fills the model's "
                      f"context of {limit} tokens: /reset starts a new one")
             continue
-        pieces = []
+        collected = Collector()
         try:
             with CtrlC() as ctrl_c:
-                _, reply, stats = stream(engine.generate(tokens, max_tokens=room), pieces=pieces,
-                                         stop=lambda: ctrl_c.pressed)
+                stream(engine.generate(tokens, max_tokens=room), collected=collected, stop=lambda: ctrl_c.pressed)
+            reply, stats = collected.text, collected.stats
             click.echo()
             if stats.finish_reason == "interrupted":
                 echo_err("(interrupted)")
             echo_err(stats_line(stats, engine.speculative, not engine.sampler.greedy))
         except KeyboardInterrupt:   # a second Ctrl-C: at once (the cache starts over)
             # Keep what was printed: it becomes the assistant's turn in the history.
-            reply = "".join(pieces)
+            reply = collected.text
             click.echo()
             echo_err("(interrupted)")
         except RanksLost:   # a split target that lost a rank: the chat cannot go on

@@ -1,19 +1,13 @@
-"""What `generate`, `chat` and `bench` share: options, loading, the stats line."""
+"""What the commands share: the engine's options (from config.py), grouped help, loading, streaming."""
 
 import functools
 import sys
+from typing import Optional
 
 import click
 
 from ..errors import MlxSpecError
-
-
-def source_defaults(option: str) -> str:
-    """Which sources read `option`, with their defaults, from the registry: "eagle [8], ddtree [4]"."""
-    from ..drafters import DRAFTERS
-
-    return ", ".join(f"{name} [{getattr(source.options(), option)}]" for name, source in DRAFTERS.items()
-                     if option in source.options.names())
+from ..events import Collector, Text, Token
 
 
 class GroupedOption(click.Option):
@@ -51,94 +45,35 @@ def apply(f, options):
     return f
 
 
-def cache_options(f):
-    """mlx-lm's KV-cache flags, its names and defaults (api.load's arguments)."""
-    options = [
-        option("--max-kv-size", type=click.IntRange(8), default=None, group="KV cache",
-               help="Bound the KV cache: the first 4 tokens and a window of the latest (mlx-lm's "
-                    "RotatingKVCache; models that build their own cache keep it)."),
-        option("--kv-bits", type=int, default=None, group="KV cache",
-               help="Quantize the KV cache to this many bits (2, 3, 4, 5, 6, 8; default: no quantization), "
-                    "with --draft none: speculation over it would not print mlx-lm's tokens."),
-        option("--kv-group-size", type=int, default=64, show_default=True, group="KV cache",
-               help="Group size of the KV cache quantization (32, 64, 128)."),
-        option("--quantized-kv-start", type=click.IntRange(0), default=5000, show_default=True, group="KV cache",
-               help="With --kv-bits, quantize the cache once it holds this many tokens."),
-    ]
-    return apply(f, options)
+def config_options(exclude=()):
+    """The options of every EngineConfig field but `exclude`, in the order the fields are
+    declared (config.py: flags, help, types and defaults are read there); their destinations
+    are the fields' names (api.load's keywords). The model and draft source's own options are
+    listed first, the others under their section's heading."""
+    from dataclasses import MISSING, fields
 
+    from ..config import EVERYDAY, SECTIONS
 
-def model_options(f):
-    """--model/--dtype and the draft-source options, named as in mlx-lm where it has them; their
-    destinations are api.load's argument names. A source's own options default to None (not
-    given): the registry holds their defaults, which the help shows."""
-    from ..drafters import DRAFTERS, sources_reading
-    from ..models.target import DTYPES
+    decorators = []
+    for kind, heading in SECTIONS.values():
+        for f in fields(kind):
+            if f.name in exclude:
+                continue
+            meta = f.metadata
+            settings = dict(default=f.default if f.default is not MISSING else None, help=meta["help"],
+                            group=None if f.name in EVERYDAY else heading)
+            flag = meta["flag"] or "--" + f.name.replace("_", "-")
+            if meta["type"]:
+                name, *arguments = meta["type"]
+                settings["type"] = getattr(click, name)(*arguments) if arguments else getattr(click, name)
+            elif isinstance(f.default, bool) and "/" not in flag:
+                settings["is_flag"] = True
+            settings["show_default"] = meta["show_default"] and f.default is not None
+            decorators.append(option(flag, f.name, **settings))
 
-    options = [
-        click.option("--model", "path_or_hf_repo", default=None,
-                     help="mlx-lm model: a directory or a Hugging Face repo id (default: the embedded "
-                          "SmolLM2-135M-Instruct)."),
-        click.option("--revision", default=None,
-                     help="The model's revision on the Hugging Face hub (branch, tag or commit)."),
-        click.option("--dtype", default="auto", show_default=True,
-                     help=f"{'|'.join(DTYPES)}. auto: quantized weights on a GPU, float32 on the CPU."),
-        click.option("--draft", default="lookup", show_default=True,
-                     help=f"Source of drafts: {'|'.join(DRAFTERS)}."),
-        click.option("--draft-model", default=None,
-                     help="Drafter checkpoint or draft model: a directory or a Hugging Face repo id "
-                          f"({sources_reading('draft_model').replace('|', ', ')})."),
-        option("--num-draft-tokens", group="Drafting", type=click.IntRange(0), default=None,
-               help="Most drafts per step (default per method: "
-                    + ", ".join(f"{m} {s.default_draft_tokens}" for m, s in DRAFTERS.items()
-                                if s.default_draft_tokens) + ")."),
-        option("--adaptive/--fixed", group="Drafting", default=True, show_default=True,
-               help="adaptive: verify only the drafts that pay, from their confidence and the "
-                    "costs measured while running (none when drafting does not pay); fixed: "
-                    "always --num-draft-tokens."),
-        option("--stop-early", group="Drafting", is_flag=True,
-               help=f"{sources_reading('stop_early').replace('|', ', ')} (chains): stop drafting once "
-                    "the next draft would not pay (a sync per draft)."),
-        option("--ngram-max", group="Drafting", type=click.IntRange(1), default=None,
-               help=f"Longest n-gram matched: {source_defaults('ngram_max')}."),
-        option("--ngram-min", group="Drafting", type=click.IntRange(1), default=None,
-               help=f"Shortest n-gram matched: {source_defaults('ngram_min')}."),
-        option("--tree-budget", group="Drafting", type=click.IntRange(0, 512), default=None,
-               help=f"Nodes of a draft tree (0: a chain of --num-draft-tokens): {source_defaults('tree_budget')}."),
-        option("--tree-topk", group="Drafting", type=click.IntRange(1, 64), default=None,
-               help=f"Children per expanded node (eagle), candidates per position: "
-                    f"{source_defaults('tree_topk')}. --num-draft-tokens is the tree's depth."),
-        option("--suffix-memory", group="Drafting", default=None,
-               help=f"{sources_reading('suffix_memory').replace('|', ', ')}: the file of earlier outputs "
-                    "searched and fed (default: one per model under ~/.cache/mlx-spec/suffix-memory), or off."),
-        option("--exit-layer", group="Drafting", type=int, default=None,
-               help="layerskip: the target's first E layers (then its norm and head) draft."),
-        option("--temp", group="Sampling", type=float, default=0.0, show_default=True, help="Sampling temperature."),
-        option("--top-p", group="Sampling", type=float, default=1.0, show_default=True, help="Nucleus sampling."),
-        option("--top-k", group="Sampling", type=int, default=0, show_default=True, help="Top-k sampling (0: off)."),
-        option("--min-p", group="Sampling", type=float, default=0.0, show_default=True, help="Min-p sampling."),
-        option("--seed", group="Sampling", type=int, default=None,
-               help="Random seed: the same seed gives the same sampled text, whatever --draft "
-                    "(default: a fresh one, printed with the statistics when sampling)."),
-        option("--residual-sampling", group="Sampling", is_flag=True,
-               help="Accept sampled drafts by the residual rule (may accept more; the output for a "
-                    "seed then depends on the draft source and timing)."),
-    ]
-    # The everyday options first, the KV cache's and the split's last (decorators apply inside out).
-    return apply(sharding_options(cache_options(f)), options)
-
-
-def sharding_options(f):
-    """The target split over the processes mlx.launch starts (api.load's argument names)."""
-    options = [
-        option("--sharding", group="Split target", type=click.Choice(["tensor", "pipeline"]), default=None,
-               help="Split the target over the processes mlx.launch starts (mlx-lm's sharding: "
-                    "tensor parallel, or pipeline stages); rank 0 drafts and prints."),
-        option("--rank-timeout", group="Split target", type=click.FloatRange(min=1), default=None,
-               help="With --sharding: seconds a pass (or a prefill chunk) may wait for the other ranks "
-                    "before the run ends [120]."),
-    ]
-    return apply(f, options)
+    def decorate(f):
+        return apply(f, decorators)
+    return decorate
 
 
 def reports_errors(f):
@@ -155,7 +90,7 @@ def reports_errors(f):
 
 
 def load_engine(options: dict, sessions: bool = False):
-    """The engine of model_options' values (api.load's arguments)."""
+    """The engine of config_options' values (api.load's keywords)."""
     from ..api import load
 
     return load(**options, sessions=sessions)[0]
@@ -177,23 +112,18 @@ def echo_err(text: str, **kwargs) -> None:
     click.echo(text, err=True, **kwargs)
 
 
-def stream(events, out=sys.stdout, pieces=None, stop=None):
-    """Print text as it is committed; return (generated token ids, text, Stats). `pieces`
-    collects the text printed so far, which survives an interrupted stream; stop() True ends
-    the generation at the next event (its stats then say "interrupted")."""
-    tokens, stats = [], None
-    pieces = [] if pieces is None else pieces
+def stream(events, out=sys.stdout, collected: Optional[Collector] = None, stop=None) -> Collector:
+    """Print text as it is committed; the generation collected (into `collected` if given: what
+    was printed survives an interrupted stream). stop() True ends the generation at the next
+    event (its stats then say "interrupted")."""
+    collected = Collector() if collected is None else collected
     for event in events:
-        if event[0] == "token":
-            tokens.append(event[1])
-        if event[0] in ("token", "text") and event[-1]:
-            pieces.append(event[-1])
-            if out is not None:
-                out.write(event[-1])
-                out.flush()
-        elif event[0] in ("prefill", "done"):
-            stats = event[1]
+        collected.add(event)
+        text = event.text if isinstance(event, (Token, Text)) else ""
+        if text and out is not None:
+            out.write(text)
+            out.flush()
         if stop is not None and stop():
             events.close()
             break
-    return tokens, "".join(pieces), stats
+    return collected

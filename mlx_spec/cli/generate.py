@@ -5,7 +5,7 @@ import click
 
 from ..api import stats_line
 from ..engine import UNKNOWN_TOKEN
-from .common import GroupedCommand, echo_err, load_engine, model_options, reports_errors, stream
+from .common import GroupedCommand, echo_err, load_engine, config_options, reports_errors, stream
 
 
 def encode_prompt(tokenizer, prompt: str, system, use_chat_template: bool, after_cache: bool = False):
@@ -46,7 +46,7 @@ def open_prompt_cache(path, options: dict):
 @click.command("generate", cls=GroupedCommand, short_help="Stream a reply to one prompt, then its statistics.")
 @click.argument("prompt_arg", metavar="[PROMPT]", required=False)
 @click.option("--prompt", "prompt_opt", default=None, help="The prompt; '-' reads it from stdin.")
-@model_options
+@config_options()
 @click.option("--max-tokens", "-m", type=click.IntRange(1), default=256, show_default=True,
               help="Most tokens generated.")
 @click.option("--system", default=None, help="System message (with the chat template).")
@@ -81,9 +81,10 @@ def generate(prompt_arg, prompt_opt, max_tokens, system, no_chat_template, as_js
                                                       after_cache=bool(cached))
     events = engine.generate(tokens, max_tokens=max_tokens)
     if as_json:
-        generated, text, stats = stream(events, out=None)
-        click.echo(json.dumps({"text": text, "tokens": generated, "stats": stats.as_dict()}))
+        collected = stream(events, out=None)
+        click.echo(json.dumps({"text": collected.text, "tokens": collected.tokens,
+                               "stats": collected.stats.as_dict()}))
     else:
-        _, _, stats = stream(events)
+        stats = stream(events).stats
         click.echo()
         echo_err(stats_line(stats, engine.speculative, not engine.sampler.greedy))

@@ -3,7 +3,7 @@ import socket
 
 import click
 
-from .common import GroupedCommand, echo_err, load_engine, model_label, model_options, reports_errors
+from .common import GroupedCommand, echo_err, load_engine, model_label, config_options, reports_errors
 
 
 def _interrupt(signum, frame):
@@ -11,7 +11,7 @@ def _interrupt(signum, frame):
 
 
 @click.command("serve", cls=GroupedCommand, short_help="An OpenAI-compatible HTTP server (chat, completions, streaming).")
-@model_options
+@config_options()
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="Address to bind (loopback by default: say 0.0.0.0 to serve the network).")
 @click.option("--port", type=click.IntRange(0, 65535), default=8080, show_default=True,

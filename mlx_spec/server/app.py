@@ -28,6 +28,7 @@ from ..api import Responses, count, sampling_and_seed, stream_generate
 from ..batch import BatchEngine
 from ..cache import common_prefix_length
 from ..errors import MlxSpecError, RanksLost
+from ..events import Done, Failed
 from ..models.checkpoint import one_line
 from .protocol import Reply, Request, RequestError, parse, usage
 from .sessions import SessionCache
@@ -37,8 +38,12 @@ KEEP_ALIVE_SECONDS = 1.0
 RETRY_AFTER_SECONDS = 1
 
 
+END = object()   # a job's last message: nothing more comes
+
+
 class Job:
-    """One queued request: the prompt's tokens and settings in; responses out through `events`."""
+    """One queued request: the prompt's tokens and settings in; out through `events`, its
+    GenerationResponses (or a RequestError), then END."""
 
     def __init__(self, request: Request, tokens, max_tokens: int):
         self.request, self.tokens, self.max_tokens = request, tokens, max_tokens
@@ -111,8 +116,8 @@ class Worker(threading.Thread):
             except queue.Empty:
                 return
             if job is not None:
-                job.events.put(("error", RequestError(503, "the server is shutting down", kind="server_error")))
-                job.events.put(("end",))
+                job.events.put(RequestError(503, "the server is shutting down", kind="server_error"))
+                job.events.put(END)
 
     def _next_job(self, block: bool) -> Optional[Job]:
         """The next queued job still wanted (None: none queued, or stopping)."""
@@ -126,7 +131,7 @@ class Worker(threading.Thread):
             if not job.cancelled.is_set():
                 return job
             self.log("client gone: generation stopped before it started")   # it left while queued
-            job.events.put(("end",))
+            job.events.put(END)
         return None
 
     def _serve_one_at_a_time(self) -> None:
@@ -135,7 +140,7 @@ class Worker(threading.Thread):
             if job is None:
                 return
             self._generate(job)
-            job.events.put(("end",))
+            job.events.put(END)
 
     def _serve_batched(self) -> None:
         """Up to max_batch requests at once, one target pass per step for all of them; a new
@@ -153,33 +158,33 @@ class Worker(threading.Thread):
                 error = _request_error(e, self.log)
                 for row, job, _ in active.values():
                     batch.remove(row)
-                    job.events.put(("error", error))
-                    job.events.put(("end",))
+                    job.events.put(error)
+                    job.events.put(END)
                 active.clear()
                 continue
             for row, event in events:
                 _, job, responses = active[id(row)]
-                if event[0] == "error":
-                    job.events.put(("error", _request_error(event[1], self.log)))
+                if isinstance(event, Failed):
+                    job.events.put(_request_error(event.error, self.log))
                 else:
                     for response in responses.add(event):
-                        job.events.put(("response", response))
-                    if event[0] != "done":
+                        job.events.put(response)
+                    if not isinstance(event, Done):
                         continue
-                    job.events.put(("response", responses.last()))
+                    job.events.put(responses.last())
                     self.sessions.keep(row.engine.detach())
-                job.events.put(("end",))
+                job.events.put(END)
                 del active[id(row)]
             for row, job, _ in list(active.values()):
                 if job.cancelled.is_set():
                     batch.remove(row)
                     self.log("client gone: generation stopped")
-                    job.events.put(("end",))
+                    job.events.put(END)
                     del active[id(row)]
         for row, job, _ in active.values():   # stopped
             batch.remove(row)
             self.log("stopped")
-            job.events.put(("end",))
+            job.events.put(END)
 
     def _start(self, job: Job, active: dict) -> None:
         """Add a job to the batch, on the idle engine that holds most of its prompt."""
@@ -189,8 +194,8 @@ class Worker(threading.Thread):
             self.sessions.prepare(job.tokens, engine)
             params, seed = sampling_and_seed(engine, request.seed, request.sampling)
         except MlxSpecError as e:
-            job.events.put(("error", RequestError(400, str(e))))
-            job.events.put(("end",))
+            job.events.put(RequestError(400, str(e)))
+            job.events.put(END)
             return
         row = batch.add(job.tokens, job.max_tokens, request.stop, params, seed, engine=engine)
         active[id(row)] = (row, job, Responses())
@@ -201,12 +206,12 @@ class Worker(threading.Thread):
             self.sessions.prepare(job.tokens)
             for response in stream_generate(self.engine, self.tokenizer, job.tokens, max_tokens=job.max_tokens,
                                             stop=request.stop, seed=request.seed, **request.sampling):
-                job.events.put(("response", response))
+                job.events.put(response)
                 if job.cancelled.is_set() or self.stopping.is_set():
                     self.log("client gone: generation stopped" if job.cancelled.is_set() else "stopped")
                     return   # closes the generator at this token: the cache stays consistent
         except Exception as e:   # never a traceback to the client; the server keeps serving
-            job.events.put(("error", _request_error(e, self.log)))
+            job.events.put(_request_error(e, self.log))
             if isinstance(e, RanksLost):   # ... but over a split target that lost a rank
                 self.fatal = e
                 self.log(f"error: {e}")
@@ -410,7 +415,7 @@ class Handler(BaseHTTPRequestHandler):
                     quiet_since = time.monotonic()
                 continue
             quiet_since = time.monotonic()
-            if event[0] == "end":
+            if event is END:
                 return
             yield event
             if job.cancelled.is_set():
@@ -419,10 +424,10 @@ class Handler(BaseHTTPRequestHandler):
     def _whole(self, job: Job, reply: Reply) -> None:
         pieces, last = [], None
         for event in self._events(job):
-            if event[0] == "error":
-                raise event[1]
-            pieces.append(event[1].text)
-            last = event[1]
+            if isinstance(event, RequestError):
+                raise event
+            pieces.append(event.text)
+            last = event
         if last is None or last.finish_reason is None:   # the client left
             self.close_connection = True
             return
@@ -443,11 +448,11 @@ class Handler(BaseHTTPRequestHandler):
             self._sse(reply.chunk(first=True))
         try:
             for event in self._events(job, keep_alive=self._keep_alive):
-                if event[0] == "error":
-                    self._sse(event[1].body())   # in a stream, the error is its last event
-                    self._log(event[1].status, event[1].message)
+                if isinstance(event, RequestError):
+                    self._sse(event.body())   # in a stream, the error is its last event
+                    self._log(event.status, event.message)
                     break
-                response = event[1]
+                response = event
                 if response.text:
                     self._sse(reply.chunk(response.text))
                 if response.finish_reason is not None:

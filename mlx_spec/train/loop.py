@@ -24,6 +24,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from ..engine import Engine
 from ..errors import MlxSpecError
+from ..events import Collector
 from ..models.checkpoint import FLOAT_DTYPES
 from ..sampling import SamplingParams
 from .data import read_split
@@ -338,9 +339,8 @@ class DevEvaluation:
                         sampling=self.sampling)
         for prompt in self.prompts:
             for seed in self.seeds:
-                for event in engine.generate(prompt, max_tokens=self.max_tokens, seed=seed):
-                    if event[0] == "done":
-                        committed, steps = committed + event[1].committed_tokens, steps + event[1].steps
+                stats = Collector.of(engine.generate(prompt, max_tokens=self.max_tokens, seed=seed)).stats
+                committed, steps = committed + stats.committed_tokens, steps + stats.steps
         return {"dev_tau": committed / steps if steps else 0.0, "dev_prompts": len(self.prompts)}
 
 
