@@ -14,9 +14,9 @@ import sys
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Iterator, List, Optional, Sequence, Union
+from typing import Any, Iterator, List, Optional, Sequence, Tuple, Union
 
-from .engine import Engine
+from .engine import Engine, GenerationOptions
 from .errors import MlxSpecError
 from .events import Collector, Event, Failed, Prefilled, Stats, Text, Token
 from .hub import resolve
@@ -127,6 +127,12 @@ class GenerationResponse:
     acceptance_rate: float
     finish_reason: Optional[str] = None
     stats: Optional[Stats] = None
+    # Where the call asked for them (logprobs=True or top_logprobs=k): mlx-lm's `logprobs`, the
+    # target's log-probabilities [V] at this token's position (after the logits processors),
+    # this token's, and the top_logprobs most likely tokens (id, log-probability).
+    logprobs: Any = None
+    logprob: Optional[float] = None
+    top_logprobs: Tuple[Tuple[int, float], ...] = ()
 
 
 def is_conversation(prompt) -> bool:
@@ -134,13 +140,17 @@ def is_conversation(prompt) -> bool:
     return isinstance(prompt, (list, tuple)) and bool(prompt) and all(isinstance(m, dict) for m in prompt)
 
 
-def _encode(tokenizer, prompt) -> List[int]:
+def _encode(tokenizer, prompt, tools=None, chat_template_kwargs=None) -> List[int]:
     """Token ids of a prompt: text encoded as it is (as mlx-lm does: no chat template), token
-    ids as they are, a list of messages through the chat template."""
+    ids as they are, a list of messages through the chat template (with `tools` and the
+    template's own arguments, e.g. {"enable_thinking": False})."""
     if is_conversation(prompt):
         if not getattr(tokenizer, "chat_template", None):
             raise MlxSpecError("this model has no chat template: give the prompt as text or token ids")
-        return list(tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True))
+        if tools and not getattr(tokenizer, "has_tool_calling", False):
+            raise MlxSpecError("this model's chat template has no tool calling: drop tools")
+        return list(tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, tools=tools or None,
+                                                  **(chat_template_kwargs or {})))
     if isinstance(prompt, str):
         # As mlx-lm: a prompt that already starts with the BOS token gets no second one.
         bos = getattr(tokenizer, "bos_token", None)
@@ -156,17 +166,21 @@ class Responses:
         self.stats, self.pending = None, None
         self.start = time.perf_counter()
 
-    def _response(self, token, text, from_draft) -> GenerationResponse:
+    def _response(self, token: Optional[Token]) -> GenerationResponse:
         import mlx.core as mx
 
         stats = self.stats
         elapsed = time.perf_counter() - self.start - stats.prompt_seconds
+        logprobs = token.logprobs if token is not None else None
         return GenerationResponse(
-            text=text, token=token, from_draft=from_draft, prompt_tokens=stats.prompt_tokens,
+            text=token.text if token else "", token=token.id if token else None,
+            from_draft=bool(token and token.from_draft), prompt_tokens=stats.prompt_tokens,
             prompt_tps=stats.prompt_tokens_per_second, generation_tokens=stats.generated_tokens,
             generation_tps=stats.generated_tokens / elapsed if elapsed > 0 else 0.0,
             peak_memory=mx.get_peak_memory() / 1e9, steps=stats.steps,
-            tokens_per_step=stats.tokens_per_step, acceptance_rate=stats.acceptance_rate)
+            tokens_per_step=stats.tokens_per_step, acceptance_rate=stats.acceptance_rate,
+            **(dict(logprobs=logprobs.distribution, logprob=logprobs.logprob, top_logprobs=logprobs.top)
+               if logprobs is not None else {}))
 
     def add(self, event: Event) -> Iterator[GenerationResponse]:
         if isinstance(event, Prefilled):
@@ -174,13 +188,13 @@ class Responses:
         elif isinstance(event, Token):
             if self.pending is not None:
                 yield self.pending
-            self.pending = self._response(event.id, event.text, event.from_draft)
+            self.pending = self._response(event)
         elif isinstance(event, Text):
             self.pending.text += event.text
 
     def last(self) -> GenerationResponse:
         """The last response, once the generation is done."""
-        last = self.pending if self.pending is not None else self._response(None, "", False)
+        last = self.pending if self.pending is not None else self._response(None)
         last.finish_reason = FINISH_REASONS.get(self.stats.finish_reason)
         last.stats = self.stats
         return last
@@ -196,17 +210,33 @@ def sampling_and_seed(model: Engine, seed: Optional[int], sampling: dict):
 Prompt = Union[str, Sequence[int], Sequence[dict]]
 
 
-def stream_generate(model: Engine, tokenizer, prompt: Prompt, max_tokens: int = 256,
-                    stop: Sequence[str] = (), seed: Optional[int] = None, **sampling) -> Iterator[GenerationResponse]:
+def generation_options(tokenizer, logits_processors=None, logprobs: bool = False, top_logprobs: int = 0,
+                       prediction=None) -> GenerationOptions:
+    """A call's GenerationOptions: mlx-lm's logits processors (make_logits_processors: pure
+    functions of the tokens before a position and its logits), logprobs (and the top_logprobs
+    most likely alternatives), a prediction of the reply (text or token ids) that drafts too."""
+    if isinstance(prediction, str):
+        prediction = tokenizer.encode(prediction, add_special_tokens=False)
+    return GenerationOptions(logits_processors=tuple(logits_processors or ()),
+                             logprobs=top_logprobs if logprobs or top_logprobs else None,
+                             prediction=tuple(int(t) for t in prediction or ()))
+
+
+def stream_generate(model: Engine, tokenizer, prompt: Prompt, max_tokens: int = 256, stop: Sequence[str] = (),
+                    seed: Optional[int] = None, logits_processors=None, logprobs: bool = False,
+                    top_logprobs: int = 0, prediction=None, tools=None, chat_template_kwargs=None,
+                    **sampling) -> Iterator[GenerationResponse]:
     """Yield a GenerationResponse per generated token (text segments as they are committed).
-    prompt: a list of messages (the chat template applied), text (encoded as is, as mlx-lm
-    does: no chat template) or token ids.
+    prompt: a list of messages (the chat template applied, with `tools` and
+    `chat_template_kwargs`), text (encoded as is, as mlx-lm does: no chat template) or token ids.
     seed: the same seed gives the same sampled text whatever the draft source (default: a
-    fresh one per call, in the last response's stats)."""
+    fresh one per call, in the last response's stats). logits_processors, logprobs,
+    top_logprobs, prediction: see generation_options."""
     params, seed = sampling_and_seed(model, seed, sampling)
+    options = generation_options(tokenizer, logits_processors, logprobs, top_logprobs, prediction)
     responses = Responses()
-    for event in model.generate(_encode(tokenizer, prompt), max_tokens=max_tokens, stop_strings=list(stop),
-                                sampling=params, seed=seed):
+    for event in model.generate(_encode(tokenizer, prompt, tools, chat_template_kwargs), max_tokens=max_tokens,
+                                stop_strings=list(stop), sampling=params, seed=seed, options=options):
         yield from responses.add(event)
     yield responses.last()
 
@@ -219,17 +249,20 @@ class BatchResponse:
 
 def batch_generate(model: Engine, tokenizer, prompts: Sequence[Prompt], max_tokens: int = 256,
                    max_batch: int = 8, stop: Sequence[str] = (), seed: Optional[int] = None,
-                   **sampling) -> BatchResponse:
+                   logits_processors=None, tools=None, chat_template_kwargs=None, **sampling) -> BatchResponse:
     """Generate for several prompts at once, as mlx-lm's batch_generate: up to max_batch share
     each target pass (continuous batching: a prompt starts as another finishes), each with the
     engine's draft source, each what `generate` alone would write (prompt i samples with seed
-    + i); each prompt as `generate` takes it (messages, text or token ids). The engine and max_batch - 1 copies of it (the same weights) serve the rows."""
+    + i); each prompt as `generate` takes it (messages, text or token ids). The engine and
+    max_batch - 1 copies of it (the same weights) serve the rows."""
     from .batch import BatchEngine
 
     params, seed = sampling_and_seed(model, seed, sampling)
     batch = BatchEngine.spawned(model, min(max_batch, max(1, len(prompts))))
-    requests = [dict(prompt=_encode(tokenizer, prompt), max_tokens=max_tokens, stop_strings=list(stop),
-                     sampling=params, seed=None if seed is None else seed + i) for i, prompt in enumerate(prompts)]
+    options = generation_options(tokenizer, logits_processors)
+    requests = [dict(prompt=_encode(tokenizer, prompt, tools, chat_template_kwargs), max_tokens=max_tokens,
+                     stop_strings=list(stop), sampling=params, seed=None if seed is None else seed + i,
+                     options=options) for i, prompt in enumerate(prompts)]
     collected = [Collector() for _ in prompts]
     for i, event in batch.generate_all(requests):
         if isinstance(collected[i].add(event), Failed):

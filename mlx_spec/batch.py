@@ -24,7 +24,7 @@ import mlx.core as mx
 from .cache import RaggedKVCache, RaggedRow
 from .cost import LinearCost
 from .drafters.base import Draft
-from .engine import PREFILL_CHUNK, Engine, PendingPrefill, PendingVerification, Verdict
+from .engine import PREFILL_CHUNK, Engine, GenerationOptions, PendingPrefill, PendingVerification, Verdict
 from .errors import MlxSpecError
 from .events import Event, Failed, Prefilled
 from .sampling import SamplingParams
@@ -77,14 +77,14 @@ class BatchEngine:
 
     def add(self, prompt: Sequence[int], max_tokens: int = 256, stop_strings: Sequence[str] = (),
             sampling: Optional[SamplingParams] = None, seed: Optional[int] = None,
-            engine: Optional[Engine] = None) -> Row:
+            options: GenerationOptions = GenerationOptions(), engine: Optional[Engine] = None) -> Row:
         """A new generation (Engine.generate's arguments), started at the next step. engine: the
         idle one to run it (a server picks the one holding the conversation); default any."""
         if not self.idle:
             raise MlxSpecError(f"the batch is full ({len(self.engines)} rows)")
         engine = engine or self.idle[-1]
         self.idle.remove(engine)
-        row = Row(engine, engine.run(prompt, max_tokens, stop_strings, sampling, seed))
+        row = Row(engine, engine.run(prompt, max_tokens, stop_strings, sampling, seed, options))
         self.rows.append(row)
         return row
 
@@ -253,8 +253,9 @@ class BatchEngine:
         widths = [x.shape[0] for _, _, x in inputs]
         padded = mx.stack([mx.pad(x, [(0, width - x.shape[0])]) for _, _, x in inputs])
         logits, taps = self.target.forward(padded, self.cache, self.taps)
-        decisions = [verify_chain(logits[b, :widths[b]], drafts, row.pending.draft.q, row.engine.sampler,
-                                  len(context))
+        logits = [row.engine.processed(logits[b, :widths[b]], context, drafts)
+                  for b, (row, (context, drafts, _)) in enumerate(zip(rows, inputs))]
+        decisions = [verify_chain(logits[b], drafts, row.pending.draft.q, row.engine.sampler, len(context))
                      for b, (row, (context, drafts, _)) in enumerate(zip(rows, inputs))]
         mx.eval(decisions, [drafts for _, drafts, _ in inputs])
         for batch in self.cache:   # padding past each row's drafts is not the row's
@@ -266,6 +267,6 @@ class BatchEngine:
             n_accepted, next_token = decisions[b].tolist()
             # Gathered: a session keeps them, and a slice would keep every row's alive.
             own = {layer: mx.take(taps[layer], mx.array([b]), axis=0) for layer in row.engine.drafter.taps}
-            row.verdict = row.engine.settle_chain(context, drafts.tolist(), n_accepted, next_token, own)
+            row.verdict = row.engine.settle_chain(context, drafts.tolist(), n_accepted, next_token, own, logits[b])
             row.verdict.seconds = seconds * shares[b]
             row.pending = None

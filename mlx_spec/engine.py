@@ -16,21 +16,24 @@ import copy
 import secrets
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterator, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
 from .cache import (QUANTIZED_SPECULATION, KVQuantization, Replay, batchable, check_speculation, check_tree,
                     common_prefix_length, is_quantized, is_recurrent, make_cache, rollback_to, verification)
 from .drafters.base import Draft, Drafter, NoDrafter
+from .drafters.combined import Combined
+from .drafters.prediction import PredictionDrafter
 from .errors import MlxSpecError
-from .events import Done, Event, Prefilled, Stats, Step, Text, Token
+from .events import Done, Event, Prefilled, Stats, Step, Text, Token, TokenLogprobs
 from .policy import DraftPlan, DraftPolicy, StepOutcome
 from .sampling import Sampler, SamplingParams
 from .tree import Tree, compact, tree_forward, verify_tree
 from .verify import verify_chain
 
 PREFILL_CHUNK = 2048   # mlx-lm's prefill_step_size
+PREDICTED_DRAFTS = 16  # the most drafts per step where a request's prediction drafts
 UNKNOWN_TOKEN = -1     # a cached position whose token is not known (Engine.resume)
 
 
@@ -53,6 +56,17 @@ class Session:
                        {layer: list(pieces) for layer, pieces in self.taps.items()})
 
 
+@dataclass(frozen=True)
+class GenerationOptions:
+    """What one generation asks besides its prompt, length and sampling."""
+    # mlx-lm's logits processors (make_logits_processors: penalties, logit bias): pure functions
+    # of (the tokens before a position, its logits [1, V]); applied at every verified position
+    # to the tokens before it, drafts included, exactly as one-token decoding would see them.
+    logits_processors: Tuple[Callable, ...] = ()
+    logprobs: Optional[int] = None   # report each token's log-probability and this many alternatives
+    prediction: Tuple[int, ...] = () # the reply expected (OpenAI's Predicted Outputs): it drafts too
+
+
 @dataclass
 class Verdict:
     """What one verification pass decided; the cache already ends after the accepted drafts."""
@@ -61,6 +75,8 @@ class Verdict:
     next_token: int               # the target's own token after them
     taps: Dict[int, mx.array]     # the target's features at [last token, accepted drafts]
     seconds: float = 0.0          # what the pass cost this sequence (a batch's pass is shared)
+    # Per committed token (the accepted drafts, then next_token), where the generation asks.
+    logprobs: Optional[List[TokenLogprobs]] = None
 
 
 @dataclass
@@ -89,6 +105,7 @@ class StepResult:
     drafts: List[int]             # those verified
     path: List[int]               # indices into drafts of the accepted ones
     next_token: int
+    logprobs: Optional[List[TokenLogprobs]] = None   # the verdict's
 
     @property
     def accepted(self) -> List[int]:
@@ -123,6 +140,7 @@ class Engine:
         self.seed = seed   # None: a fresh one now, and per call where the caller wants (api.py)
         self.sampler = Sampler(self.sampling, secrets.randbits(32) if seed is None else seed, residual)
         self.policy = (policy or DraftPolicy()) if adaptive and self.speculative else None
+        self.options = GenerationOptions()   # the current generation's (run)
         self.plan = DraftPlan(num_draft_tokens)   # this step's, which --stop-early consults
         self.keep_taps = sessions and bool(self.drafter.taps)
         self.drafter_stale = False   # True: the drafter's state is of another conversation
@@ -286,19 +304,56 @@ class Engine:
         start = len(context) - 1
         if draft.parents is None:
             logits, taps = self.chain_pass(inputs, start)
-            decision = verify_chain(logits[0], drafts, draft.q, self.sampler, len(context))
+            logits = self.processed(logits[0], context, drafts)
+            decision = verify_chain(logits, drafts, draft.q, self.sampler, len(context))
             mx.eval(decision, drafts)
-            return self.settle_chain(context, drafts.tolist(), *decision.tolist(), taps)
+            return self.settle_chain(context, drafts.tolist(), *decision.tolist(), taps, logits)
         self.replay = Replay(start) if self.recurrent else None
         tree = Tree(draft.parents)
         logits, taps = tree_forward(self.target, inputs, tree, self.cache, self.drafter.taps, self.replay)
+        logits = self.processed(logits[0], context, drafts, tree)
         mx.eval(logits, drafts)
         drafts = drafts.tolist()
-        nodes, next_token = verify_tree(logits[0], drafts, tree, self.sampler, draft.q, len(context))
+        nodes, next_token = verify_tree(logits, drafts, tree, self.sampler, draft.q, len(context))
         compact(self.cache, start, nodes, len(tree), self.replay)
         path = [node - 1 for node in nodes[1:]]
         self.cached_tokens = context + [drafts[i] for i in path]
-        return self._kept(context, drafts, path, next_token, taps, mx.array(nodes))
+        verdict = self._kept(context, drafts, path, next_token, taps, mx.array(nodes))
+        verdict.logprobs = self._logprobs(logits[mx.array(nodes)], [drafts[i] for i in path] + [next_token])
+        return verdict
+
+    def processed(self, logits: mx.array, context: List[int], drafts: mx.array, tree: Optional[Tree] = None):
+        """The logits [n, V] of a pass over [last token, drafts] with this generation's logits
+        processors applied: row i to the tokens before the position it predicts (the context,
+        then the drafts on the way to row i: drafts[:i] in a chain, the path to node i in a tree).
+        Lazy, as the logits are."""
+        processors = self.options.logits_processors
+        if not processors:
+            return logits
+        before, rows = mx.array(context, mx.int32), []
+        for i in range(logits.shape[0]):
+            path = list(range(i)) if tree is None else [node - 1 for node in tree.path_to(i)[1:]]
+            on_path = drafts[mx.array(path, mx.int32)] if path else drafts[:0]
+            tokens, row = mx.concatenate([before, on_path]), logits[i:i + 1]
+            for processor in processors:
+                row = processor(tokens, row)
+            rows.append(row)
+        return mx.concatenate(rows, axis=0)
+
+    def _logprobs(self, logits: mx.array, tokens: List[int]) -> Optional[List[TokenLogprobs]]:
+        """Each committed token's log-probability from the (processed) logits [n, V] of the rows
+        that predicted it, and the most likely alternatives, where the generation asks for them
+        (one more sync, on rows the pass computed anyway)."""
+        top = self.options.logprobs
+        if top is None:
+            return None
+        logprobs = logits.astype(mx.float32) - mx.logsumexp(logits.astype(mx.float32), axis=-1, keepdims=True)
+        chosen = mx.take_along_axis(logprobs, mx.array(tokens, mx.int32)[:, None], axis=-1)[:, 0]
+        best = mx.argsort(-logprobs, axis=-1)[:, :top] if top else mx.zeros((len(tokens), 0), mx.int32)
+        best_logprobs = mx.take_along_axis(logprobs, best, axis=-1)
+        mx.eval(chosen, best, best_logprobs)
+        return [TokenLogprobs(lp, tuple(zip(ids, lps)), logprobs[i])
+                for i, (lp, ids, lps) in enumerate(zip(chosen.tolist(), best.tolist(), best_logprobs.tolist()))]
 
     def chain_pass(self, inputs: mx.array, start: int):
         """The target's pass over inputs [last token, drafts...] at positions start..: (logits,
@@ -309,13 +364,16 @@ class Engine:
             return forward(inputs[None], self.cache, self.drafter.taps, replay=self.replay)
 
     def settle_chain(self, context: List[int], drafts: List[int], n_accepted: int, next_token: int,
-                     taps: Dict[int, mx.array]) -> Verdict:
+                     taps: Dict[int, mx.array], logits: mx.array) -> Verdict:
         """After a pass over [context[-1]] + drafts (and whatever padding followed them, in a
-        batch): keep the accepted drafts in the cache, drop the rest. taps: [1, width, H]."""
+        batch): keep the accepted drafts in the cache, drop the rest. taps: [1, width, H];
+        logits: the processed rows [width, V] the verdict came from."""
         self.cached_tokens = context + drafts
         path = list(range(n_accepted))
         self._roll_back(len(context) + n_accepted)
-        return self._kept(context, drafts, path, next_token, taps, slice(0, n_accepted + 1))
+        verdict = self._kept(context, drafts, path, next_token, taps, slice(0, n_accepted + 1))
+        verdict.logprobs = self._logprobs(logits[:n_accepted + 1], drafts[:n_accepted] + [next_token])
+        return verdict
 
     def _kept(self, context, drafts, path, next_token, taps, rows) -> Verdict:
         kept = {layer: h[:, rows] for layer, h in taps.items()}
@@ -343,7 +401,7 @@ class Engine:
             self.policy.record_verification(1 + len(verdict.drafts), verdict.seconds)
             self.policy.observe(StepOutcome(proposal.confidences, proposal.parent_nodes, kept, path))
         self.drafter.commit([verdict.drafts[i] for i in verdict.path], verdict.next_token, verdict.taps)
-        return StepResult(len(proposal), verdict.drafts, verdict.path, verdict.next_token)
+        return StepResult(len(proposal), verdict.drafts, verdict.path, verdict.next_token, verdict.logprobs)
 
     def _prefill(self, context: List[int]):
         """Bring the cache to context[:-1], reusing the longest prefix already there: a
@@ -366,10 +424,11 @@ class Engine:
         return reused
 
     def generate(self, prompt: Sequence[int], max_tokens: int = 256, stop_strings: Sequence[str] = (),
-                 sampling: Optional[SamplingParams] = None, seed: Optional[int] = None) -> Iterator[Event]:
+                 sampling: Optional[SamplingParams] = None, seed: Optional[int] = None,
+                 options: GenerationOptions = GenerationOptions()) -> Iterator[Event]:
         """sampling: this call's settings (default: the engine's); seed: this call's and the
-        next calls' (default: the last one)."""
-        run = self.run(prompt, max_tokens, stop_strings, sampling, seed)
+        next calls' (default: the last one); options: logits processors, logprobs, a prediction."""
+        run = self.run(prompt, max_tokens, stop_strings, sampling, seed, options)
         try:
             event = next(run)
             while True:
@@ -399,7 +458,8 @@ class Engine:
         return verdict
 
     def run(self, prompt: Sequence[int], max_tokens: int = 256, stop_strings: Sequence[str] = (),
-            sampling: Optional[SamplingParams] = None, seed: Optional[int] = None):
+            sampling: Optional[SamplingParams] = None, seed: Optional[int] = None,
+            options: GenerationOptions = GenerationOptions()):
         """generate as a coroutine that leaves the target's passes to its caller: it yields
         generate's events, a PendingPrefill (to be sent the taps) and, at each step, a
         PendingVerification (to be sent the Verdict)."""
@@ -408,6 +468,28 @@ class Engine:
         self.sampler.params = (sampling or self.sampling).check(self.target.vocab_size)
         if seed is not None:
             self.sampler.reseed(seed)
+        source, self.options = self.drafter, options
+        if options.prediction:
+            self.drafter = self._predicted(options.prediction)
+        try:
+            return (yield from self._generation(prompt, max_tokens, stop_strings))
+        finally:
+            self.drafter, self.options = source, GenerationOptions()
+
+    def _predicted(self, prediction: Sequence[int]) -> Drafter:
+        """The engine's drafter with a request's prediction before it (drafters/prediction.py);
+        drafting adapts as for any source (a policy of its own where the engine drafts nothing)."""
+        if self.drafter.verify_forward is not None:
+            raise MlxSpecError("a prediction drafts beside the engine's source, and this one runs the target's "
+                               "own layers: use another --draft")
+        check_speculation(self.cache, self.target.model_type)
+        if self.policy is None and self.settings["adaptive"]:
+            self.policy = DraftPolicy()
+        drafter = Combined(PredictionDrafter(prediction), self.drafter, self.num_draft_tokens)
+        drafter.bind(self.sampler, lambda: self.cache)
+        return drafter
+
+    def _generation(self, prompt: List[int], max_tokens: int, stop_strings: Sequence[str]):
         stats = Stats(prompt_tokens=len(prompt), seed=self.sampler.seed)
         if self.policy:
             self.policy.new_text()
@@ -422,7 +504,8 @@ class Engine:
         try:
             while not stats.finish_reason:
                 # Never draft past max_tokens: a step commits at most k + 1 tokens.
-                k = min(self.num_draft_tokens, max_tokens - stats.generated_tokens - 1)
+                most = max(self.num_draft_tokens, PREDICTED_DRAFTS if self.options.prediction else 0)
+                k = min(most, max_tokens - stats.generated_tokens - 1)
                 self.plan = self.policy.plan(k) if self.policy else DraftPlan(k)
                 step = yield from self._step(context)
                 accepted = step.accepted
@@ -436,7 +519,8 @@ class Engine:
 
                 for i, token in enumerate(accepted + [step.next_token]):   # EOS, a stop string or the
                     context.append(token)                                   # limit may end the output
-                    yield from output.add(token, from_draft=i < len(accepted))   # inside the drafts
+                    logprobs = step.logprobs[i] if step.logprobs else None   # inside the drafts
+                    yield from output.add(token, i < len(accepted), logprobs)
                     if stats.finish_reason:
                         break
             yield from output.flush()
@@ -507,7 +591,7 @@ class _Output:
         segment, self.printed = self.text[self.printed:end], max(self.printed, end)
         return segment
 
-    def add(self, token: int, from_draft: bool):
+    def add(self, token: int, from_draft: bool, logprobs: Optional[TokenLogprobs] = None):
         stats = self.stats
         if token in self.eos:
             stats.finish_reason = "eos"
@@ -516,7 +600,7 @@ class _Output:
         if self.detokenizer is not None:
             self.detokenizer.add_token(token)
             self.text += self.detokenizer.last_segment
-        yield Token(token, self._release(), from_draft)
+        yield Token(token, self._release(), from_draft, logprobs)
         if not stats.finish_reason and stats.generated_tokens >= self.max_tokens:
             stats.finish_reason = "length"
 

@@ -9,7 +9,7 @@ committed per step."""
 
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Dict, Iterable, List, Optional, Union
+from typing import Any, Dict, Iterable, List, Optional, Tuple, Union
 
 # Every statistic of a generation, defined once: `generate --json` writes these keys in this
 # order, the README's table lists them, the server's usage and bench read the same names.
@@ -99,12 +99,22 @@ class Step:
 
 
 @dataclass(frozen=True)
+class TokenLogprobs:
+    """The target's log-probability of a committed token at its position (after the logits
+    processors, before temperature, as mlx-lm reports it) and the most likely alternatives."""
+    logprob: float
+    top: Tuple[Tuple[int, float], ...] = ()   # (token id, log-probability), most likely first
+    distribution: Any = None                  # mx.array [V]: every token's (mlx-lm's `logprobs`)
+
+
+@dataclass(frozen=True)
 class Token:
     """A committed token of the reply and the text it releases ("" while the detokenizer, or a
     possible stop string, holds text back)."""
     id: int
     text: str
     from_draft: bool = False   # an accepted draft, not the target's own token of its step
+    logprobs: Optional[TokenLogprobs] = None   # where the generation asked for them
 
 
 @dataclass(frozen=True)
@@ -136,6 +146,7 @@ class Collector:
     tokens: List[int] = field(default_factory=list)
     pieces: List[str] = field(default_factory=list)
     from_draft: List[bool] = field(default_factory=list)
+    logprobs: List[Optional[TokenLogprobs]] = field(default_factory=list)
     histogram: Counter = field(default_factory=Counter)   # tokens committed per step -> steps
     stats: Optional[Stats] = None
     error: Optional[Exception] = None
@@ -144,6 +155,7 @@ class Collector:
         if isinstance(event, Token):
             self.tokens.append(event.id)
             self.from_draft.append(event.from_draft)
+            self.logprobs.append(event.logprobs)
             self.pieces.append(event.text)
         elif isinstance(event, Text):
             self.pieces.append(event.text)

@@ -11,7 +11,7 @@ import mlx.core as mx
 import numpy as np
 from scipy.stats import chisquare
 
-from mlx_spec.engine import Engine
+from mlx_spec.engine import Engine, GenerationOptions
 from mlx_spec.events import Collector
 from mlx_spec.sampling import probs
 
@@ -22,33 +22,45 @@ N_TOKENS = 3
 STRICT = 1e-3     # fail below this p-value (draws are seeded: the verdict is reproducible)
 
 
-def exact_distribution(target, prompt, n_tokens, params):
-    """{token tuple: probability} of the first n_tokens generated after prompt."""
+def exact_distribution(target, prompt, n_tokens, params, processors=()):
+    """{token tuple: probability} of the first n_tokens generated after prompt (each position's
+    logits through mlx-lm's logits processors, given the tokens before it, as mlx-lm applies them)."""
     dist = {(): 1.0}
     for _ in range(n_tokens):
         prefixes = list(dist)
         batch = mx.array([list(prompt) + list(p) for p in prefixes])
-        p_next = np.array(probs(target.model(batch)[:, -1, :], params))
+        logits = target.model(batch)[:, -1, :]
+        if processors:
+            rows = []
+            for i in range(len(prefixes)):
+                row = logits[i:i + 1]
+                for processor in processors:
+                    row = processor(batch[i], row)
+                rows.append(row)
+            logits = mx.concatenate(rows, axis=0)
+        p_next = np.array(probs(logits, params))
         dist = {prefix + (t,): dist[prefix] * float(p_next[i, t])
                 for i, prefix in enumerate(prefixes) for t in range(p_next.shape[1])
                 if p_next[i, t] > 0}
     return dist
 
 
-def draw(engine: Engine, prompt, n_tokens, n_samples):
+def draw(engine: Engine, prompt, n_tokens, n_samples, options=GenerationOptions()):
     """n_samples generations, each with its own seed (a seed fixes the output)."""
     counts = Counter()
     for seed in range(n_samples):
         engine.sampler.reseed(seed)
-        counts[tuple(Collector.of(engine.generate(prompt, max_tokens=n_tokens)).tokens)] += 1
+        counts[tuple(Collector.of(engine.generate(prompt, max_tokens=n_tokens, options=options)).tokens)] += 1
     return counts
 
 
-def sampling_pvalue(engine: Engine, prompt, params, n_tokens=N_TOKENS, n_samples=N_SAMPLES):
-    """p-value of n_samples outputs of the engine (its target, at params) under the exact
-    distribution of its target's first n_tokens."""
-    counts = draw(engine, prompt, n_tokens, n_samples)
-    return chi_square_pvalue(counts, exact_distribution(engine.target, prompt, n_tokens, params), n_samples)
+def sampling_pvalue(engine: Engine, prompt, params, n_tokens=N_TOKENS, n_samples=N_SAMPLES,
+                    options=GenerationOptions()):
+    """p-value of n_samples outputs of the engine (its target, at params, with the options'
+    logits processors) under the exact distribution of its target's first n_tokens."""
+    counts = draw(engine, prompt, n_tokens, n_samples, options)
+    exact = exact_distribution(engine.target, prompt, n_tokens, params, options.logits_processors)
+    return chi_square_pvalue(counts, exact, n_samples)
 
 
 def chi_square_pvalue(counts: Counter, exact: dict, n_samples: int, min_expected: float = 5.0):

@@ -10,7 +10,7 @@ from tiny import run, tiny_target
 from mlx_spec.drafters.dflash import DFlashDrafter
 from mlx_spec.drafters.draft_model import DraftModelDrafter
 from mlx_spec.drafters.eagle import EagleDrafter
-from mlx_spec.drafters.combined import SuffixPlus
+from mlx_spec.drafters.combined import Combined
 from mlx_spec.drafters.lookup import LookupDrafter
 from mlx_spec.drafters.suffix import SuffixDrafter
 from mlx_spec.engine import Engine
@@ -39,7 +39,7 @@ def sources(target, tmp_path_factory):
         "eagle-tree": lambda: EagleDrafter(load_eagle3(eagle, target), vocab, tree_budget=6, tree_topk=2),
         "dflash": lambda: DFlashDrafter(target, dflash),
         "suffix": lambda: SuffixDrafter(8, None),
-        "suffix+eagle": lambda: SuffixPlus(SuffixDrafter(8, None), EagleDrafter(load_eagle3(eagle, target), vocab), 4),
+        "suffix+eagle": lambda: Combined(SuffixDrafter(8, None), EagleDrafter(load_eagle3(eagle, target), vocab), 4),
     }
 
 

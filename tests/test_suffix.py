@@ -11,7 +11,7 @@ import pytest
 from tiny import plain_greedy, run, tiny_target
 
 from mlx_spec.drafters.base import Draft, Drafter
-from mlx_spec.drafters.combined import SuffixPlus, expected_tokens
+from mlx_spec.drafters.combined import Combined, expected_tokens
 from mlx_spec.drafters.suffix import ContextIndex, SuffixDrafter, best_tree
 from mlx_spec.engine import Engine
 from mlx_spec.suffix_memory import SuffixMemory
@@ -190,9 +190,9 @@ class Fixed(Drafter):
 def test_suffix_plus_runs_the_learned_drafter_only_where_the_match_is_weak():
     strong, weak, learned = Fixed([1, 2, 3], [1.0, 1.0, 1.0]), Fixed([1], [0.3]), Fixed([4, 5], [0.9, 0.9])
     assert expected_tokens(learned.draft) == pytest.approx(0.9 + 0.81)
-    both = SuffixPlus(strong, learned, 4)
+    both = Combined(strong, learned, 4)
     assert both.propose(4) is strong.draft and learned.proposed == 0
-    both = SuffixPlus(weak, learned, 4)
+    both = Combined(weak, learned, 4)
     assert both.propose(4) is learned.draft and learned.proposed == 1
     both.commit([4], 7, {})   # both members keep step with what was committed
     assert weak.committed == learned.committed == [[4, 7]]

@@ -94,11 +94,11 @@ def _suffix(target, options: SuffixOptions):
 def _suffix_plus(learned: str):
     """suffix+`learned`: a suffix drafter beside the learned source's (drafters/combined.py)."""
     def make(target, options: SuffixPlusOptions):
-        from .combined import SuffixPlus
+        from .combined import Combined
 
         source = DRAFTERS[learned]
         learned_options = source.options(draft_model=options.draft_model, dtype=options.dtype)
-        return SuffixPlus(_suffix(target, options), source.make(target, learned_options),
+        return Combined(_suffix(target, options), source.make(target, learned_options),
                           source.default_draft_tokens)
     return make
 
