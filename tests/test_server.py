@@ -159,7 +159,14 @@ BAD = [
     ({"body": {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}}, 400, "tools"),
     ({"body": {"messages": [{"role": "user", "content": "hi"}], "frobnicate": 1}}, 400, "frobnicate"),
     ({"body": {"messages": [{"role": "tool", "content": "hi"}]}}, 400, "messages"),
-    ({"body": {"messages": [{"role": "user", "content": "hi"}], "model": "/etc/passwd"}}, 404, "model"),
+    ({"body": {"messages": [{"role": "user", "content": "hi"}], "logprobs": "yes"}}, 400, "logprobs"),
+    ({"body": {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 50}}, 400,
+     "top_logprobs"),
+    ({"body": {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}}}, 400,
+     "response_format"),
+    ({"body": {"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"x": 1}}}, 400, "logit_bias"),
+    ({"body": {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {}}}]}}, 400, "tools"),   # the default model's template has no tools
     ({"body": {"messages": [{"role": "user", "content": "x" * 70000}]}}, 413, None),
     ({"body": {"messages": [{"role": "user", "content": "hi"}]}, "headers": {"Authorization": "Bearer wrong"}},
      401, None),

@@ -1,3 +1,4 @@
+import json
 import signal
 import socket
 
@@ -32,9 +33,14 @@ def _interrupt(signum, frame):
               help="Connections the system holds until they are accepted (a burst of parallel requests).")
 @click.option("--max-queued", type=click.IntRange(1), default=256, show_default=True,
               help="Requests waiting for the model past which a request gets 503 with Retry-After.")
+@click.option("--allowed-origins", default="",
+              help="Comma-separated origins whose browser pages may call the API (CORS), or '*'; default none.")
+@click.option("--chat-template-args", default=None,
+              help="JSON arguments for the chat template, e.g. '{\"enable_thinking\": false}' (a request's "
+                   "chat_template_kwargs add to them).")
 @reports_errors
 def serve(host, port, max_tokens, api_key, prompt_cache_size, prompt_cache_bytes, max_batch, max_body_bytes,
-          backlog, max_queued, **options):
+          backlog, max_queued, allowed_origins, chat_template_args, **options):
     """Serve the model over the OpenAI API: POST /v1/chat/completions and /v1/completions
     (streaming too), GET /v1/models and /health. Up to --max-batch requests are generated at
     once, each with the --draft source, every step's drafts verified in one pass for all of
@@ -51,11 +57,18 @@ def serve(host, port, max_tokens, api_key, prompt_cache_size, prompt_cache_bytes
         echo_err("mlx-spec serve: split target: requests run one at a time, and the prompt cache is the "
                  "current conversation (--prompt-cache-size 0)")
         prompt_cache_size, max_batch = 0, 1
-    model = options["path_or_hf_repo"]
-    name = model_label(model)
+    try:
+        template_args = json.loads(chat_template_args) if chat_template_args else {}
+    except json.JSONDecodeError as e:
+        raise click.BadParameter(f"not JSON: {e}", param_hint="--chat-template-args") from None
+    if not isinstance(template_args, dict):
+        raise click.BadParameter("a JSON object, e.g. '{\"enable_thinking\": false}'",
+                                 param_hint="--chat-template-args")
+    origins = [o.strip() for o in allowed_origins.split(",") if o.strip()]
+    name = model_label(options["path_or_hf_repo"])
     try:
         server = Server((host, port), lambda: load_engine(options, sessions=not split), name, options["draft"],
-                        aliases=[model] if model else [], max_tokens=max_tokens,
+                        max_tokens=max_tokens, allowed_origins=origins, chat_template_args=template_args,
                         api_key=api_key, max_body_bytes=max_body_bytes, max_sessions=prompt_cache_size,
                         max_cache_bytes=prompt_cache_bytes, max_batch=max_batch, backlog=backlog,
                         max_queued=max_queued, log=echo_err)

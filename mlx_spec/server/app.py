@@ -8,6 +8,7 @@ handing each its responses through a queue of its own, so two requests' tokens n
 A client that disconnects is noticed at the next token (or within 50 ms while it waits) and its
 generation stops within a step."""
 
+import difflib
 import hmac
 import json
 import os
@@ -21,16 +22,18 @@ import time
 
 import mlx.core as mx
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Optional
+from typing import List, Optional, Sequence
 
 from .. import __version__
-from ..api import Responses, count, sampling_and_seed, stream_generate
+from ..api import Responses, count, sampling_and_seed
 from ..batch import BatchEngine
 from ..cache import common_prefix_length
+from ..engine import GenerationOptions
 from ..errors import MlxSpecError, RanksLost
 from ..events import Done, Failed
 from ..models.checkpoint import one_line
-from .protocol import Reply, Request, RequestError, parse, usage
+from .output import Delta, Reply, ReplySplitter, initial_state, text_machine, token_logprobs, usage
+from .protocol import Request, RequestError, parse
 from .sessions import SessionCache
 
 POLL_SECONDS = 0.05
@@ -45,8 +48,8 @@ class Job:
     """One queued request: the prompt's tokens and settings in; out through `events`, its
     GenerationResponses (or a RequestError), then END."""
 
-    def __init__(self, request: Request, tokens, max_tokens: int):
-        self.request, self.tokens, self.max_tokens = request, tokens, max_tokens
+    def __init__(self, request: Request, tokens, max_tokens: int, options: GenerationOptions):
+        self.request, self.tokens, self.max_tokens, self.options = request, tokens, max_tokens, options
         self.events: "queue.Queue" = queue.Queue()
         self.cancelled = threading.Event()
 
@@ -197,19 +200,21 @@ class Worker(threading.Thread):
             job.events.put(RequestError(400, str(e)))
             job.events.put(END)
             return
-        row = batch.add(job.tokens, job.max_tokens, request.stop, params, seed, engine=engine)
+        row = batch.add(job.tokens, job.max_tokens, request.stop, params, seed, job.options, engine=engine)
         active[id(row)] = (row, job, Responses())
 
     def _generate(self, job: Job) -> None:
-        request = job.request
+        request, responses = job.request, Responses()
         try:
             self.sessions.prepare(job.tokens)
-            for response in stream_generate(self.engine, self.tokenizer, job.tokens, max_tokens=job.max_tokens,
-                                            stop=request.stop, seed=request.seed, **request.sampling):
-                job.events.put(response)
+            params, seed = sampling_and_seed(self.engine, request.seed, request.sampling)
+            for event in self.engine.generate(job.tokens, job.max_tokens, request.stop, params, seed, job.options):
+                for response in responses.add(event):
+                    job.events.put(response)
                 if job.cancelled.is_set() or self.stopping.is_set():
                     self.log("client gone: generation stopped" if job.cancelled.is_set() else "stopped")
-                    return   # closes the generator at this token: the cache stays consistent
+                    return   # closes the generator at this event: the cache stays consistent
+            job.events.put(responses.last())
         except Exception as e:   # never a traceback to the client; the server keeps serving
             job.events.put(_request_error(e, self.log))
             if isinstance(e, RanksLost):   # ... but over a split target that lost a rank
@@ -226,10 +231,11 @@ class Server(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
 
-    def __init__(self, address, load, model_name: str, method: str, aliases=(), max_tokens: int = 512,
+    def __init__(self, address, load, model_name: str, method: str, max_tokens: int = 512,
                  api_key: Optional[str] = None, max_body_bytes: int = 1 << 20, max_sessions: int = 10,
                  max_cache_bytes: int = 1 << 30, max_batch: int = 1, backlog: int = socket.SOMAXCONN,
-                 max_queued: int = 256, log=None):
+                 max_queued: int = 256, allowed_origins: Sequence[str] = (), chat_template_args: Optional[dict] = None,
+                 log=None):
         """load: () -> Engine, called on the worker thread (errors raised here, before serving).
         backlog: connections the kernel holds before they are accepted (socketserver's default
         of 5 resets a burst of parallel requests); max_queued: requests waiting for the engine
@@ -237,11 +243,12 @@ class Server(ThreadingHTTPServer):
         self.request_queue_size = backlog   # read by server_activate's listen()
         self.max_queued = max_queued
         super().__init__(address, Handler)
+        # One model is served whatever name a request gives (as llama.cpp's server does: apps
+        # with a fixed model name work); replies name the served one.
         self.model_name, self.method = model_name, method
-        # What clients of mlx_lm.server send for the same model: the name given to --model,
-        # and its "default_model". Never a way to load another one.
-        self.model_names = {model_name, "default_model", *aliases}
         self.max_tokens, self.api_key, self.max_body_bytes = max_tokens, api_key, max_body_bytes
+        self.allowed_origins = set(allowed_origins)   # CORS: browser pages of these origins ("*": any)
+        self.chat_template_args = dict(chat_template_args or {})
         self.log = log or (lambda line: print(line, file=sys.stderr, flush=True))
         self.worker = Worker(load, max_sessions, max_cache_bytes, self.log, max_batch)
         try:
@@ -250,20 +257,33 @@ class Server(ThreadingHTTPServer):
             self.server_close()
             raise
         self.tokenizer, self.sessions = self.worker.tokenizer, self.worker.sessions
+        self.machine = text_machine(self.tokenizer)
 
     def shutdown_worker(self) -> None:
         self.worker.stop()
         self.worker.join(timeout=10)
 
     def tokens_for(self, request: Request):
-        """The prompt's token ids (the chat template applied to messages)."""
+        """The prompt's token ids: the chat template applied to messages, with the tools it
+        renders and its arguments (the server's --chat-template-args, then the request's
+        chat_template_kwargs); a reply due to begin with a tool call (tool_choice required or
+        named) gets the tool-call marker after the template's generation prompt."""
         tokenizer = self.tokenizer
         if request.chat:
             if not getattr(tokenizer, "chat_template", None):
                 raise RequestError(400, "the served model has no chat template: use /v1/completions",
                                    "messages")
+            if request.tools and not tokenizer.has_tool_calling:
+                raise RequestError(400, "the served model's chat template has no tool calling: drop 'tools' "
+                                        "(or use a model whose template renders them)", "tools")
+            template = dict(self.chat_template_args, **request.chat_template_kwargs)
             try:
-                return list(tokenizer.apply_chat_template(request.messages, add_generation_prompt=True))
+                if request.tool_choice != "required":
+                    return list(tokenizer.apply_chat_template(request.messages, add_generation_prompt=True,
+                                                              tools=request.tools, **template))
+                text = tokenizer.apply_chat_template(request.messages, add_generation_prompt=True,
+                                                     tools=request.tools, tokenize=False, **template)
+                return list(tokenizer.encode(text + tokenizer.tool_call_start, add_special_tokens=False))
             except Exception as e:   # a template that rejects the conversation (roles, order)
                 raise RequestError(400, f"the chat template rejects these messages: {one_line(e)}",
                                    "messages") from None
@@ -273,6 +293,21 @@ class Server(ThreadingHTTPServer):
                                         f"({self.engine.target.vocab_size})", "prompt")
             return request.prompt
         return list(tokenizer.encode(request.prompt))
+
+    def options_for(self, request: Request) -> GenerationOptions:
+        """The generation's logits processors (mlx-lm's, from the penalties and logit_bias),
+        logprobs and prediction."""
+        from mlx_lm.sample_utils import make_logits_processors
+
+        bias = request.penalties.get("logit_bias", {})
+        if any(not 0 <= t < self.engine.target.vocab_size for t in bias):
+            raise RequestError(400, f"'logit_bias' has a token id past the vocabulary "
+                                    f"({self.engine.target.vocab_size})", "logit_bias")
+        prediction = request.prediction
+        return GenerationOptions(
+            logits_processors=tuple(make_logits_processors(**request.penalties)) if request.penalties else (),
+            logprobs=request.logprobs,
+            prediction=tuple(self.tokenizer.encode(prediction, add_special_tokens=False)) if prediction else ())
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -315,7 +350,33 @@ class Handler(BaseHTTPRequestHandler):
         except (OSError, ValueError):
             return True
 
+    def end_headers(self):
+        """Every response says whether a browser page of the request's origin may read it (CORS:
+        --allowed-origins; none by default, so a page elsewhere cannot reach a local server)."""
+        origin, allowed = self.headers.get("Origin") if self.headers else None, self.server.allowed_origins
+        if origin and ("*" in allowed or origin in allowed):
+            self.send_header("Access-Control-Allow-Origin", "*" if "*" in allowed else origin)
+            self.send_header("Vary", "Origin")
+        super().end_headers()
+
     # --- routes ------------------------------------------------------------------------
+    def do_OPTIONS(self):
+        """A browser's CORS preflight: allowed origins are told what they may send."""
+        origin, allowed = self.headers.get("Origin"), self.server.allowed_origins
+        self.close_connection = True
+        if not origin or not ("*" in allowed or origin in allowed):
+            self._send_error(RequestError(403, f"origin {origin!r} is not allowed here (serve --allowed-origins)",
+                                          code="origin_not_allowed"))
+            return
+        self.send_response(204)
+        self.send_header("Access-Control-Allow-Methods", "GET, POST, OPTIONS")
+        self.send_header("Access-Control-Allow-Headers", self.headers.get(
+            "Access-Control-Request-Headers", "Authorization, Content-Type"))
+        self.send_header("Access-Control-Max-Age", "600")
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+        self._log(204)
+
     def do_GET(self):
         self._route({"/health": self._health, "/v1/models": self._models})
 
@@ -374,10 +435,6 @@ class Handler(BaseHTTPRequestHandler):
     def _complete(self, chat: bool) -> None:
         server = self.server
         request = parse(self._read_body(), chat)
-        model = request.model
-        if model is not None and model not in server.model_names:
-            raise RequestError(404, f"model {model!r} is not served here (this server serves "
-                                    f"{server.model_name!r})", "model", "model_not_found")
         tokens = server.tokens_for(request)
         limit = server.engine.target.context_length
         room = None if limit is None else limit - len(tokens)
@@ -392,12 +449,37 @@ class Handler(BaseHTTPRequestHandler):
         if server.worker.jobs.qsize() >= server.max_queued:
             raise RequestError(503, f"the server is busy: {server.max_queued} requests are waiting; retry later",
                                code="server_busy", kind="server_error", retry_after=RETRY_AFTER_SECONDS)
-        job = Job(request, tokens, max_tokens)
+        job = Job(request, tokens, max_tokens, server.options_for(request))
         server.worker.jobs.put(job)
         try:
             (self._stream if request.stream else self._whole)(job, Reply(request, server.model_name))
         finally:
             job.cancelled.set()   # whatever ended the reply, the worker stops at its next token
+
+    def _splitter(self, job: Job) -> Optional[ReplySplitter]:
+        """Where a chat reply's text goes (content, reasoning, tool calls); None: a completion's
+        text is the reply as written."""
+        request, tokenizer = job.request, self.server.tokenizer
+        if not request.chat:
+            return None
+        return ReplySplitter(tokenizer, self.server.machine, initial_state(tokenizer, job.tokens, request.tool_choice),
+                             request.tools, request.stream)
+
+    def _logprobs(self, job: Job, response) -> Optional[List[dict]]:
+        if job.request.logprobs is None or response.token is None:
+            return None
+        return [token_logprobs(self.server.tokenizer, response.token, response.logprob, response.top_logprobs)]
+
+    def _usage(self, job: Job, stats, tokens: List[int]) -> dict:
+        """usage, with OpenAI's accepted_prediction_tokens (the prediction's tokens found, in
+        order, in the reply) and rejected_prediction_tokens (the rest of the prediction)."""
+        prediction = None
+        if job.options.prediction:
+            matched = sum(block.size for block in difflib.SequenceMatcher(
+                None, job.options.prediction, tokens, autojunk=False).get_matching_blocks())
+            prediction = {"accepted_prediction_tokens": matched,
+                          "rejected_prediction_tokens": len(job.options.prediction) - matched}
+        return usage(stats, self.server.method, self._sampled(job), prediction)
 
     def _events(self, job: Job, keep_alive=None):
         """The job's events, until its end; stops early (cancelling it) if the client leaves.
@@ -422,17 +504,23 @@ class Handler(BaseHTTPRequestHandler):
                 return
 
     def _whole(self, job: Job, reply: Reply) -> None:
-        pieces, last = [], None
+        splitter, whole, tokens, logprobs, last = self._splitter(job), Delta(), [], [], None
         for event in self._events(job):
             if isinstance(event, RequestError):
                 raise event
-            pieces.append(event.text)
             last = event
+            delta = splitter.add(event.text, event.finish_reason) if splitter else Delta(content=event.text)
+            whole.content, whole.reasoning = whole.content + delta.content, whole.reasoning + delta.reasoning
+            whole.tool_calls += delta.tool_calls
+            if event.token is not None:
+                tokens.append(event.token)
+                logprobs += self._logprobs(job, event) or []
         if last is None or last.finish_reason is None:   # the client left
             self.close_connection = True
             return
-        self._send_json(200, reply.whole("".join(pieces), last.finish_reason,
-                                         usage(last.stats, self.server.method, self._sampled(job))))
+        finish = _finish_reason(last.finish_reason, whole.tool_calls)
+        self._send_json(200, reply.whole(whole, finish, self._usage(job, last.stats, tokens),
+                                         logprobs if job.request.logprobs is not None else None))
         self._log(200, _summary(last.stats))
 
     def _stream(self, job: Job, reply: Reply) -> None:
@@ -445,26 +533,30 @@ class Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self.close_connection = True
         if reply.chat:
-            self._sse(reply.chunk(first=True))
+            self._sse(reply.first_chunk())
+        splitter, tokens, called, offset = self._splitter(job), [], False, 0
         try:
             for event in self._events(job, keep_alive=self._keep_alive):
                 if isinstance(event, RequestError):
                     self._sse(event.body())   # in a stream, the error is its last event
                     self._log(event.status, event.message)
                     break
-                response = event
-                if response.text:
-                    self._sse(reply.chunk(response.text))
-                if response.finish_reason is not None:
-                    self._sse(reply.chunk(finish_reason=response.finish_reason))
+                if event.token is not None:
+                    tokens.append(event.token)
+                delta = splitter.add(event.text, event.finish_reason) if splitter else Delta(content=event.text)
+                called = called or bool(delta.tool_calls)
+                finish = _finish_reason(event.finish_reason, called) if event.finish_reason else None
+                for chunk in reply.chunks(delta, finish, self._logprobs(job, event), offset):
+                    self._sse(chunk)
+                offset += len(delta.content)
+                if event.finish_reason is not None:
                     if job.request.include_usage:
-                        self._sse(reply.usage_chunk(usage(response.stats, self.server.method, self._sampled(job))))
+                        self._sse(reply.usage_chunk(self._usage(job, event.stats, tokens)))
                     self._sse("[DONE]")
-                    self._log(200, "stream " + _summary(response.stats))
+                    self._log(200, "stream " + _summary(event.stats))
         except (BrokenPipeError, ConnectionResetError):
             job.cancelled.set()
             self.close_connection = True
-
 
     def _sampled(self, job: Job) -> bool:
         return job.request.sampling.get("temp", self.server.engine.sampling.temp) > 0
@@ -472,6 +564,11 @@ class Handler(BaseHTTPRequestHandler):
     def _keep_alive(self) -> None:
         self.wfile.write(b": waiting\n\n")
         self.wfile.flush()
+
+
+def _finish_reason(finish_reason: str, tool_calls) -> str:
+    """OpenAI's: a reply that ended having made tool calls ends with "tool_calls"."""
+    return "tool_calls" if finish_reason == "stop" and tool_calls else finish_reason
 
 
 def _request_error(e: Exception, log) -> RequestError:

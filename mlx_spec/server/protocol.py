@@ -1,11 +1,12 @@
-"""The OpenAI API's requests and responses, as far as mlx-spec implements them.
+"""The OpenAI API's requests, as far as mlx-spec implements them.
 
-A request is checked field by field before it is queued: a field mlx-spec does not implement
-(`n` > 1, `tools`, `logprobs`, ...) is refused with a 400 that names it, never silently ignored.
-"""
+A request is checked field by field before it is queued. Every field `mlx_lm.server` reads is
+implemented; a field that changes nothing for this server (what SDKs send by default: `store`,
+`metadata`, `user`, ...) is accepted and named in IGNORED with the reason; a field that would
+change the reply and is not implemented (`n` > 1, images, `response_format` other than text,
+...) is refused with a 400 that names it, never silently ignored."""
 
-import time
-import uuid
+import json
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
@@ -23,18 +24,28 @@ class RequestError(Exception):
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
 
 
-# Fields accepted as they are; a field that changes nothing at the value given is accepted too.
+# Fields that change nothing for this server, accepted whatever their value, and why.
+IGNORED = {
+    "user": "no accounts here", "safety_identifier": "no accounts here",
+    "store": "nothing is stored", "metadata": "nothing is stored",
+    "service_tier": "one tier", "prompt_cache_key": "the prompt cache finds shared prefixes by itself",
+    "parallel_tool_calls": "every call the model makes is returned",
+    "reasoning_effort": "a thinking model's template takes chat_template_kwargs (enable_thinking)",
+}
+# Fields accepted where their value changes nothing (what clients send by default).
+NEUTRAL = {"n": (1, None), "echo": (False, None), "suffix": (None,), "best_of": (1, None),
+           "functions": (None, []), "function_call": (None, "none"), "response_format": (None, {"type": "text"}),
+           "modalities": (None, ["text"]), "audio": (None,), "web_search_options": (None,),
+           "xtc_probability": (0, 0.0, None), "xtc_threshold": (None,)}
 COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stream",
-          "stream_options", "user"}
-CHAT = COMMON | {"messages", "max_completion_tokens"}
+          "stream_options", "logprobs", "top_logprobs", "logit_bias", "repetition_penalty",
+          "repetition_context_size", "presence_penalty", "presence_context_size", "frequency_penalty",
+          "frequency_context_size", "prediction"}
+CHAT = COMMON | {"messages", "max_completion_tokens", "tools", "tool_choice", "chat_template_kwargs"}
 COMPLETION = COMMON | {"prompt"}
-# Not implemented, but harmless at these values (what clients send by default).
-NEUTRAL = {"n": (1,), "logprobs": (False, None), "top_logprobs": (0, None), "frequency_penalty": (0, None),
-           "presence_penalty": (0, None), "logit_bias": (None,), "tools": (None,), "tool_choice": (None, "none"),
-           "functions": (None,), "function_call": (None, "none"), "parallel_tool_calls": (None,),
-           "response_format": (None, {"type": "text"}), "echo": (False, None), "suffix": (None,),
-           "best_of": (1, None)}
-ROLES = ("system", "developer", "user", "assistant")
+ROLES = ("system", "developer", "user", "assistant", "tool")
+MAX_TOP_LOGPROBS = 20
+QUOTED = 60   # characters of a refused value quoted in its error (an agent sends dozens of tools)
 
 
 @dataclass
@@ -44,12 +55,23 @@ class Request:
     stream: bool
     model: Optional[str]
     include_usage: bool
-    messages: Optional[List[Dict[str, str]]] = None   # chat
+    messages: Optional[List[dict]] = None             # chat: as the chat template takes them
     prompt: Any = None                                # completion: text or token ids
     max_tokens: Optional[int] = None                  # None: the server's default
     sampling: Dict[str, float] = field(default_factory=dict)   # temp, top_p, top_k, min_p given
     seed: Optional[int] = None
     stop: List[str] = field(default_factory=list)
+    tools: Optional[List[dict]] = None                # the functions the template renders
+    tool_choice: str = "auto"                         # auto, none, required (a call is due)
+    chat_template_kwargs: Dict[str, Any] = field(default_factory=dict)
+    logprobs: Optional[int] = None                    # None: none; else this many alternatives
+    penalties: Dict[str, Any] = field(default_factory=dict)   # mlx-lm's make_logits_processors'
+    prediction: Optional[str] = None                  # Predicted Outputs: the reply expected
+
+
+def quoted(value) -> str:
+    text = json.dumps(value) if not isinstance(value, str) else repr(value)
+    return text if len(text) <= QUOTED else text[:QUOTED] + "..."
 
 
 def _number(body, name, low=None, high=None, integer=False, low_open=False):
@@ -80,7 +102,28 @@ def _text_content(content, where: str) -> str:
     raise RequestError(400, f"{where}: 'content' must be a string or a list of text parts", "messages")
 
 
-def _messages(value) -> List[Dict[str, str]]:
+def _tool_calls(value, where: str) -> List[dict]:
+    """An assistant message's tool calls as chat templates take them (arguments as an object)."""
+    if not isinstance(value, list):
+        raise RequestError(400, f"{where}: 'tool_calls' must be a list", "messages")
+    calls = []
+    for call in value:
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise RequestError(400, f"{where}: each tool call needs a function with a name", "messages")
+        arguments = function.get("arguments", {})
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments) if arguments.strip() else {}
+            except json.JSONDecodeError:
+                raise RequestError(400, f"{where}: a tool call's arguments are not JSON: {quoted(arguments)}",
+                                   "messages") from None
+        calls.append({"id": call.get("id"), "type": "function",
+                      "function": {"name": function["name"], "arguments": arguments}})
+    return calls
+
+
+def _messages(value) -> List[dict]:
     if not isinstance(value, list) or not value:
         raise RequestError(400, "'messages' must be a non-empty list", "messages")
     messages = []
@@ -92,12 +135,113 @@ def _messages(value) -> List[Dict[str, str]]:
         if role not in ROLES:
             raise RequestError(400, f"{where}: role {role!r} is not supported (one of {', '.join(ROLES)})",
                                "messages")
-        extra = sorted(set(m) - {"role", "content", "name"})
+        allowed = {"role", "content", "name"} | ({"tool_calls", "refusal", "reasoning", "reasoning_content"}
+                                                 if role == "assistant" else set()) | (
+            {"tool_call_id"} if role == "tool" else set())
+        extra = sorted(set(m) - allowed)
         if extra:
-            raise RequestError(400, f"{where}: '{extra[0]}' is not supported", "messages")
-        messages.append({"role": "system" if role == "developer" else role,
-                         "content": _text_content(m.get("content"), where)})
+            raise RequestError(400, f"{where}: '{extra[0]}' is not supported for a {role} message", "messages")
+        message = {"role": "system" if role == "developer" else role}
+        if role == "assistant" and m.get("tool_calls"):
+            message["tool_calls"] = _tool_calls(m["tool_calls"], where)
+            message["content"] = _text_content(m["content"], where) if m.get("content") is not None else ""
+        else:
+            message["content"] = _text_content(m.get("content"), where)
+        if role == "tool":
+            if not isinstance(m.get("tool_call_id"), str):
+                raise RequestError(400, f"{where}: a tool message needs its 'tool_call_id'", "messages")
+            message["tool_call_id"] = m["tool_call_id"]
+        if isinstance(m.get("name"), str):
+            message["name"] = m["name"]
+        messages.append(message)
     return messages
+
+
+def _tools(body) -> Optional[List[dict]]:
+    tools = body.get("tools")
+    if tools is None or tools == []:
+        return None
+    if not isinstance(tools, list) or not all(
+            isinstance(t, dict) and t.get("type") == "function" and isinstance(t.get("function"), dict)
+            and isinstance(t["function"].get("name"), str) for t in tools):
+        raise RequestError(400, f"'tools' must be a list of {{\"type\": \"function\", \"function\": {{\"name\", "
+                                f"...}}}}, got {quoted(tools)}", "tools")
+    return tools
+
+
+def _tool_choice(body, tools):
+    """(tools the template renders, the mode): none drops them, a named function keeps it alone,
+    required and a name make the reply begin with a tool call."""
+    choice = body.get("tool_choice")
+    if choice is None or choice == "auto":
+        return tools, "auto"
+    if choice == "none":
+        return None, "none"
+    if choice == "required":
+        if not tools:
+            raise RequestError(400, "'tool_choice' is 'required' but no 'tools' are given", "tool_choice")
+        return tools, "required"
+    name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
+    if not isinstance(name, str):
+        raise RequestError(400, f"'tool_choice' must be auto, none, required or {{\"type\": \"function\", "
+                                f"\"function\": {{\"name\"}}}}, got {quoted(choice)}", "tool_choice")
+    named = [t for t in tools or [] if t["function"]["name"] == name]
+    if not named:
+        raise RequestError(400, f"'tool_choice' names {name!r}, which is not among 'tools'", "tool_choice")
+    return named, "required"
+
+
+def _logprobs(body, chat: bool) -> Optional[int]:
+    """None: no logprobs; k: each token's log-probability and k alternatives. Chat: logprobs
+    true and top_logprobs; completions: logprobs as a number of alternatives (OpenAI's legacy
+    form) or true, as mlx_lm.server takes it, with top_logprobs."""
+    logprobs, top = body.get("logprobs"), _number(body, "top_logprobs", 0, MAX_TOP_LOGPROBS, integer=True)
+    if logprobs is None or logprobs is False:
+        if top:
+            raise RequestError(400, "'top_logprobs' needs 'logprobs': true", "top_logprobs")
+        return None
+    if logprobs is True:
+        return top or 0
+    if not chat:
+        return _number(body, "logprobs", 0, MAX_TOP_LOGPROBS, integer=True)
+    raise RequestError(400, "'logprobs' must be true or false", "logprobs")
+
+
+def _penalties(body) -> Dict[str, Any]:
+    """make_logits_processors' arguments, the neutral values left out (repetition_penalty: 0 or
+    1 is none, as mlx_lm.server and vLLM take it)."""
+    given = {}
+    repetition = _number(body, "repetition_penalty", 0)
+    if repetition not in (None, 0, 1):
+        given["repetition_penalty"] = float(repetition)
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = _number(body, name, -2, 2)
+        if value:
+            given[name] = float(value)
+    for name in ("repetition_context_size", "presence_context_size", "frequency_context_size"):
+        value = _number(body, name, 1, integer=True)
+        if value is not None and name.replace("context_size", "penalty") in given:
+            given[name] = value
+    bias = body.get("logit_bias")
+    if bias:
+        try:
+            given["logit_bias"] = {int(k): float(v) for k, v in bias.items()}
+        except (AttributeError, TypeError, ValueError):
+            raise RequestError(400, f"'logit_bias' must map token ids to numbers, got {quoted(bias)}",
+                               "logit_bias") from None
+        if any(not -100 <= v <= 100 for v in given["logit_bias"].values()):
+            raise RequestError(400, "'logit_bias' values must be between -100 and 100", "logit_bias")
+    return given
+
+
+def _prediction(body) -> Optional[str]:
+    prediction = body.get("prediction")
+    if prediction is None:
+        return None
+    if not isinstance(prediction, dict) or prediction.get("type") != "content" or "content" not in prediction:
+        raise RequestError(400, f"'prediction' must be {{\"type\": \"content\", \"content\": ...}}, got "
+                                f"{quoted(prediction)}", "prediction")
+    return _text_content(prediction["content"], "prediction") or None
 
 
 def _prompt(value):
@@ -118,12 +262,12 @@ def parse(body, chat: bool) -> Request:
         raise RequestError(400, "the request body must be a JSON object")
     allowed = CHAT if chat else COMPLETION
     for name in body:
-        if name in allowed:
+        if name in allowed or name in IGNORED:
+            continue
+        if name in NEUTRAL and body[name] in NEUTRAL[name]:
             continue
         if name in NEUTRAL:
-            if body[name] in NEUTRAL[name]:
-                continue
-            raise RequestError(400, f"'{name}' = {body[name]!r} is not supported by mlx-spec", name)
+            raise RequestError(400, f"'{name}' = {quoted(body[name])} is not supported by mlx-spec", name)
         raise RequestError(400, f"unsupported field '{name}'", name)
     if chat and "messages" not in body:
         raise RequestError(400, "missing 'messages'", "messages")
@@ -148,51 +292,14 @@ def parse(body, chat: bool) -> Request:
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise RequestError(400, "'model' must be a string", "model")
+    kwargs = body.get("chat_template_kwargs") or {}
+    if not isinstance(kwargs, dict):
+        raise RequestError(400, "'chat_template_kwargs' must be an object", "chat_template_kwargs")
+    tools, tool_choice = _tool_choice(body, _tools(body)) if chat else (None, "auto")
     return Request(chat=chat, stream=stream, model=model, include_usage=bool((options or {}).get("include_usage")),
                    messages=_messages(body["messages"]) if chat else None,
                    prompt=None if chat else _prompt(body["prompt"]), max_tokens=max_tokens,
                    sampling={k: v for k, v in sampling.items() if v is not None},
-                   seed=_number(body, "seed", 0, 2**63 - 1, integer=True), stop=stop or [])
-
-
-def usage(stats, method: str, sampled: bool) -> dict:
-    """OpenAI's usage, with the prompt tokens the cache held and what speculation did (and the
-    seed that repeats a sampled reply)."""
-    return {"prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.generated_tokens,
-            "total_tokens": stats.prompt_tokens + stats.generated_tokens,
-            "prompt_tokens_details": {"cached_tokens": stats.prompt_cached},
-            "speculative": {"method": method, "steps": stats.steps, "tokens_per_step": round(stats.tokens_per_step, 4),
-                            "acceptance_rate": round(stats.acceptance_rate, 4),
-                            "drafts_verified": stats.verified_drafts, "plain_steps": stats.plain_steps,
-                            "seed": stats.seed if sampled else None}}
-
-
-class Reply:
-    """The response objects of one request, whole or as stream chunks."""
-
-    def __init__(self, request: Request, model: str):
-        self.chat, self.model = request.chat, model
-        self.id = ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex
-        self.created = int(time.time())
-        self.object = "chat.completion" if self.chat else "text_completion"
-
-    def _wrap(self, obj: str, choices: list, **extra) -> dict:
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
-                "choices": choices, **extra}
-
-    def whole(self, text: str, finish_reason: str, usage_: dict) -> dict:
-        choice = ({"index": 0, "message": {"role": "assistant", "content": text}} if self.chat
-                  else {"index": 0, "text": text})
-        choice.update(finish_reason=finish_reason, logprobs=None)
-        return self._wrap(self.object, [choice], usage=usage_)
-
-    def chunk(self, text: Optional[str] = None, finish_reason: Optional[str] = None, first: bool = False) -> dict:
-        if self.chat:
-            delta = {"role": "assistant", "content": ""} if first else ({"content": text} if text else {})
-            choice = {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
-            return self._wrap("chat.completion.chunk", [choice])
-        return self._wrap("text_completion", [{"index": 0, "text": text or "", "finish_reason": finish_reason,
-                                              "logprobs": None}])
-
-    def usage_chunk(self, usage_: dict) -> dict:
-        return self._wrap("chat.completion.chunk" if self.chat else "text_completion", [], usage=usage_)
+                   seed=_number(body, "seed", 0, 2**63 - 1, integer=True), stop=stop or [], tools=tools,
+                   tool_choice=tool_choice, chat_template_kwargs=kwargs, logprobs=_logprobs(body, chat),
+                   penalties=_penalties(body), prediction=_prediction(body))
