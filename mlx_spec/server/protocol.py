@@ -31,12 +31,13 @@ IGNORED = {
     "service_tier": "one tier", "prompt_cache_key": "the prompt cache finds shared prefixes by itself",
     "parallel_tool_calls": "every call the model makes is returned",
     "reasoning_effort": "a thinking model's template takes chat_template_kwargs (enable_thinking)",
+    "xtc_threshold": "XTC sampling is off (xtc_probability other than 0 is refused)",
 }
 # Fields accepted where their value changes nothing (what clients send by default).
 NEUTRAL = {"n": (1, None), "echo": (False, None), "suffix": (None,), "best_of": (1, None),
            "functions": (None, []), "function_call": (None, "none"), "response_format": (None, {"type": "text"}),
            "modalities": (None, ["text"]), "audio": (None,), "web_search_options": (None,),
-           "xtc_probability": (0, 0.0, None), "xtc_threshold": (None,)}
+           "xtc_probability": (0, 0.0, None)}
 COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stream",
           "stream_options", "logprobs", "top_logprobs", "logit_bias", "repetition_penalty",
           "repetition_context_size", "presence_penalty", "presence_context_size", "frequency_penalty",
