@@ -209,3 +209,28 @@ def test_the_default_model_by_hub_id_drafts_with_the_shipped_drafter(tmp_path):
                             capture_output=True, text=True, timeout=300, env=env)
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["stats"]["accepted_drafts"] > 0
+
+
+@pytest.mark.parametrize("temp", [0.0, 0.8])
+def test_logprobs_with_eagles_accepted_drafts_equal_mlx_lms(target, temp):
+    """The shipped EAGLE-3 layer drafts, the target accepts some: every token's logprob (and the
+    whole distribution) is mlx-lm's at that position, greedy and seeded."""
+    from mlx_lm.generate import generate_step
+
+    from mlx_spec.bench import seeded_sampler
+    from mlx_spec.engine import GenerationOptions
+    from mlx_spec.sampling import Sampler
+
+    params = SamplingParams(temp=temp)
+    prompt = chat_prompt(target, HELDOUT[2]["prompt"])
+    sampler = None if temp == 0 else seeded_sampler(Sampler(params, 9), len(prompt))
+    reference = [(int(t), lp) for t, lp in generate_step(mx.array(prompt), target.model, max_tokens=24,
+                                                         sampler=sampler)]
+    engine = Engine(target, make_drafter("eagle", target, {}), num_draft_tokens=4, adaptive=False, sampling=params,
+                    seed=9)
+    collected = Collector.of(engine.generate(prompt, max_tokens=24, options=GenerationOptions(logprobs=3)))
+    assert collected.tokens == [t for t, _ in reference[:len(collected.tokens)]] and any(collected.from_draft)
+    for (token, logprobs), ours in zip(reference, collected.logprobs):
+        assert abs(ours.logprob - logprobs[token].item()) < 1e-4
+        assert mx.allclose(ours.distribution, logprobs, atol=1e-4)
+    mx.clear_cache()
