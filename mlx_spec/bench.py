@@ -30,6 +30,7 @@ from typing import Callable, Dict, List, Optional
 import mlx.core as mx
 
 from .distributed import PLAIN
+from .engine import GenerationOptions
 from .errors import MlxSpecError
 from .events import Collector, Failed, Step, Text, Token
 from .sampling import Sampler
@@ -164,11 +165,11 @@ def follow_baseline(target, sampler, cache_flags: Optional[dict] = None) -> Call
     return run
 
 
-def method_steps(engine, prompt_tokens, max_tokens, collected: Collector):
+def method_steps(engine, prompt_tokens, max_tokens, collected: Collector, options=GenerationOptions()):
     """One engine generation on a fresh cache, as the baseline has, one verification step per
-    iteration, collected."""
+    iteration, collected (options: the generation's, as Engine.generate takes them)."""
     engine.reset()
-    for event in engine.generate(prompt_tokens, max_tokens=max_tokens):
+    for event in engine.generate(prompt_tokens, max_tokens=max_tokens, options=options):
         if isinstance(collected.add(event), Step):
             yield
 
