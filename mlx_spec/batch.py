@@ -257,7 +257,9 @@ class BatchEngine:
                   for b, (row, (context, drafts, _)) in enumerate(zip(rows, inputs))]
         decisions = [verify_chain(logits[b], drafts, row.pending.draft.q, row.engine.sampler, len(context))
                      for b, (row, (context, drafts, _)) in enumerate(zip(rows, inputs))]
-        mx.eval(decisions, [drafts for _, drafts, _ in inputs])
+        logprobs = [row.engine.chain_logprobs(logits[b], drafts, decisions[b])
+                    for b, (row, (_, drafts, _)) in enumerate(zip(rows, inputs))]
+        mx.eval(decisions, [drafts for _, drafts, _ in inputs], [lp for lp in logprobs if lp is not None])
         for batch in self.cache:   # padding past each row's drafts is not the row's
             batch.lengths = [n - (width - w) for n, w in zip(batch.lengths, widths)]
         seconds = time.perf_counter() - tic
@@ -267,6 +269,6 @@ class BatchEngine:
             n_accepted, next_token = decisions[b].tolist()
             # Gathered: a session keeps them, and a slice would keep every row's alive.
             own = {layer: mx.take(taps[layer], mx.array([b]), axis=0) for layer in row.engine.drafter.taps}
-            row.verdict = row.engine.settle_chain(context, drafts.tolist(), n_accepted, next_token, own, logits[b])
+            row.verdict = row.engine.settle_chain(context, drafts.tolist(), n_accepted, next_token, own, logprobs[b])
             row.verdict.seconds = seconds * shares[b]
             row.pending = None

@@ -324,10 +324,10 @@ class SplitEngine(Engine):
         super().filled(chunk, self._with_remote(taps, len(chunk)), pieces)
         self.channel.rearm("a prefill pass")
 
-    def settle_chain(self, context, drafts, n_accepted, next_token, taps, logits):
+    def settle_chain(self, context, drafts, n_accepted, next_token, taps, logprobs=None):
         taps = self._with_remote(taps, 1 + len(drafts))
         self.in_pass = False
-        return super().settle_chain(context, drafts, n_accepted, next_token, taps, logits)
+        return super().settle_chain(context, drafts, n_accepted, next_token, taps, logprobs)
 
     def _pass(self, pending):
         reply = super()._pass(pending)

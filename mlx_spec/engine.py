@@ -306,8 +306,9 @@ class Engine:
             logits, taps = self.chain_pass(inputs, start)
             logits = self.processed(logits[0], context, drafts)
             decision = verify_chain(logits, drafts, draft.q, self.sampler, len(context))
-            mx.eval(decision, drafts)
-            return self.settle_chain(context, drafts.tolist(), *decision.tolist(), taps, logits)
+            logprobs = self.chain_logprobs(logits, drafts, decision)
+            mx.eval(decision, drafts, logprobs)
+            return self.settle_chain(context, drafts.tolist(), *decision.tolist(), taps, logprobs)
         self.replay = Replay(start) if self.recurrent else None
         tree = Tree(draft.parents)
         logits, taps = tree_forward(self.target, inputs, tree, self.cache, self.drafter.taps, self.replay)
@@ -319,7 +320,8 @@ class Engine:
         path = [node - 1 for node in nodes[1:]]
         self.cached_tokens = context + [drafts[i] for i in path]
         verdict = self._kept(context, drafts, path, next_token, taps, mx.array(nodes))
-        verdict.logprobs = self._logprobs(logits[mx.array(nodes)], [drafts[i] for i in path] + [next_token])
+        tokens = mx.array([drafts[i] for i in path] + [next_token], mx.int32)
+        verdict.logprobs = token_logprobs(self._logprob_arrays(logits[mx.array(nodes)], tokens), len(nodes))
         return verdict
 
     def processed(self, logits: mx.array, context: List[int], drafts: mx.array, tree: Optional[Tree] = None):
@@ -340,20 +342,32 @@ class Engine:
             rows.append(row)
         return mx.concatenate(rows, axis=0)
 
-    def _logprobs(self, logits: mx.array, tokens: List[int]) -> Optional[List[TokenLogprobs]]:
-        """Each committed token's log-probability from the (processed) logits [n, V] of the rows
-        that predicted it, and the most likely alternatives, where the generation asks for them
-        (one more sync, on rows the pass computed anyway)."""
-        top = self.options.logprobs
-        if top is None:
+    def chain_logprobs(self, logits: mx.array, drafts: mx.array, decision: mx.array):
+        """Lazily, where the generation asks for logprobs: the rows' log-probabilities [k+1, V]
+        of a chain's (processed) logits and, at each row, the token it would commit (the draft
+        before the verdict's n, the target's token at n) with its alternatives; the verdict
+        reads the first n + 1 rows, evaluated with the decision (no sync of their own)."""
+        if self.options.logprobs is None:
             return None
-        logprobs = logits.astype(mx.float32) - mx.logsumexp(logits.astype(mx.float32), axis=-1, keepdims=True)
-        chosen = mx.take_along_axis(logprobs, mx.array(tokens, mx.int32)[:, None], axis=-1)[:, 0]
-        best = mx.argsort(-logprobs, axis=-1)[:, :top] if top else mx.zeros((len(tokens), 0), mx.int32)
-        best_logprobs = mx.take_along_axis(logprobs, best, axis=-1)
-        mx.eval(chosen, best, best_logprobs)
-        return [TokenLogprobs(lp, tuple(zip(ids, lps)), logprobs[i])
-                for i, (lp, ids, lps) in enumerate(zip(chosen.tolist(), best.tolist(), best_logprobs.tolist()))]
+        rows = mx.arange(drafts.shape[0] + 1)
+        tokens = mx.where(rows == decision[0], decision[1], mx.concatenate([drafts, decision[1:2]]))
+        return self._logprob_arrays(logits, tokens)
+
+    def _logprob_arrays(self, logits: mx.array, tokens: mx.array):
+        """(log-probabilities [n, V], each token's [n], the top alternatives' ids and values
+        [n, k] most likely first), lazy. Few operations (each costs a dispatch on the CPU): the
+        values come from the logits and their log-sum-exp; the whole distribution is left lazy
+        (computed where a caller reads it); the top k by a partition, not a sort of the vocabulary."""
+        top = self.options.logprobs
+        logits = logits if logits.dtype == mx.float32 else logits.astype(mx.float32)
+        total = mx.logsumexp(logits, axis=-1, keepdims=True)
+        chosen = (mx.take_along_axis(logits, tokens[:, None], axis=-1) - total)[:, 0]
+        if not top:
+            return logits - total, chosen, mx.zeros((tokens.shape[0], 0), mx.int32), mx.zeros((tokens.shape[0], 0))
+        best = mx.argpartition(-logits, kth=top - 1, axis=-1)[:, :top]
+        values = mx.take_along_axis(logits, best, axis=-1) - total
+        order = mx.argsort(-values, axis=-1)
+        return logits - total, chosen, mx.take_along_axis(best, order, axis=-1), mx.take_along_axis(values, order, axis=-1)
 
     def chain_pass(self, inputs: mx.array, start: int):
         """The target's pass over inputs [last token, drafts...] at positions start..: (logits,
@@ -364,15 +378,15 @@ class Engine:
             return forward(inputs[None], self.cache, self.drafter.taps, replay=self.replay)
 
     def settle_chain(self, context: List[int], drafts: List[int], n_accepted: int, next_token: int,
-                     taps: Dict[int, mx.array], logits: mx.array) -> Verdict:
+                     taps: Dict[int, mx.array], logprobs=None) -> Verdict:
         """After a pass over [context[-1]] + drafts (and whatever padding followed them, in a
         batch): keep the accepted drafts in the cache, drop the rest. taps: [1, width, H];
-        logits: the processed rows [width, V] the verdict came from."""
+        logprobs: chain_logprobs' arrays, evaluated (None: not asked)."""
         self.cached_tokens = context + drafts
         path = list(range(n_accepted))
         self._roll_back(len(context) + n_accepted)
         verdict = self._kept(context, drafts, path, next_token, taps, slice(0, n_accepted + 1))
-        verdict.logprobs = self._logprobs(logits[:n_accepted + 1], drafts[:n_accepted] + [next_token])
+        verdict.logprobs = token_logprobs(logprobs, n_accepted + 1)
         return verdict
 
     def _kept(self, context, drafts, path, next_token, taps, rows) -> Verdict:
@@ -549,6 +563,16 @@ class Engine:
                 f"context of {limit} tokens")
 
 
+def token_logprobs(arrays, n: int) -> Optional[List[TokenLogprobs]]:
+    """The first n rows of _logprob_arrays' (evaluated here where they are not yet) as TokenLogprobs."""
+    if arrays is None:
+        return None
+    logprobs, chosen, best, best_logprobs = arrays
+    mx.eval(chosen, best, best_logprobs)
+    return [TokenLogprobs(lp, tuple(zip(ids, lps)), logprobs[i])
+            for i, (lp, ids, lps) in enumerate(zip(chosen[:n].tolist(), best[:n].tolist(), best_logprobs[:n].tolist()))]
+
+
 def _first_positions(pieces: List[mx.array], length: int) -> List[mx.array]:
     """The pieces [1, n_i, H] cut to their first `length` positions in all."""
     kept, n = [], 0
@@ -577,10 +601,10 @@ class _Output:
     def _release(self) -> str:
         """The text that can be printed now."""
         end = len(self.text)
-        hits = [self.text.find(s, max(0, self.printed - len(s))) for s in self.stop_strings]
-        hits = [h for h in hits if h >= 0]
+        hits = [(self.text.find(s, max(0, self.printed - len(s))), s) for s in self.stop_strings]
+        hits = [(h, s) for h, s in hits if h >= 0]
         if hits:
-            end = min(hits)
+            end, self.stats.stop_string = min(hits)
             self.stats.finish_reason = "stop"
         else:  # hold back a suffix that a stop string starts with
             for s in self.stop_strings:

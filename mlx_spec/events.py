@@ -35,6 +35,7 @@ STATISTICS = {
     "acceptance_rate": "accepted_drafts / verified_drafts",
     "seed": "the seed that repeats a sampled reply (with the same prompt and settings)",
     "finish_reason": "eos (end of text), stop (a stop string), length (max tokens) or interrupted",
+    "stop_string": "the stop string that ended the reply (finish_reason stop), else empty",
 }
 
 
@@ -53,6 +54,7 @@ class Stats:
     accepted_drafts: int = 0
     generate_seconds: float = 0.0
     finish_reason: str = ""
+    stop_string: str = ""
     seed: int = 0
 
     @property

@@ -273,3 +273,86 @@ def test_serve_refuses_chat_template_args_that_are_not_a_json_object():
         result = subprocess.run([sys.executable, "-m", "mlx_spec.cli", "serve", "--chat-template-args", value],
                                 capture_output=True, text=True, timeout=120)
         assert result.returncode == 2 and "--chat-template-args" in result.stderr and "Traceback" not in result.stderr
+
+
+# --- Anthropic's Messages API (Claude Code's) --------------------------------------------------
+
+anthropic = pytest.importorskip("anthropic")
+ANTHROPIC_TOOLS = [{"name": "get_weather", "description": "The weather in a city",
+                    "input_schema": TOOLS[0]["function"]["parameters"]}]
+
+
+def anthropic_client(server, key=API_KEY):
+    return anthropic.Anthropic(base_url=f"http://127.0.0.1:{server.port}", api_key=key, max_retries=0, timeout=120)
+
+
+def blocks_of(message) -> list:
+    return [(b.type, b.text if b.type == "text" else b.thinking if b.type == "thinking" else (b.name, b.input))
+            for b in message.content]
+
+
+def test_messages_tool_use_round_trip_whole_and_streamed(server):
+    client = anthropic_client(server)
+    first = client.messages.create(model="claude-sonnet-4-5", max_tokens=60, tools=ANTHROPIC_TOOLS, messages=ASK)
+    assert first.stop_reason == "tool_use" and first.role == "assistant" and first.id.startswith("msg_")
+    assert blocks_of(first) == [("thinking", "\nThe user wants the weather: call the tool.\n"), ("text", "\n\n"),
+                                ("tool_use", ("get_weather", {"city": "Paris"}))]
+    with client.messages.stream(model="claude-sonnet-4-5", max_tokens=60, tools=ANTHROPIC_TOOLS,
+                                messages=ASK) as stream:
+        streamed = stream.get_final_message()
+    assert blocks_of(streamed) == blocks_of(first) and streamed.stop_reason == "tool_use"
+    use = first.content[-1]
+    # The call goes back as the assistant's turn (its tool_use block, as the training turn has no
+    # text beside it), its result as a tool_result block.
+    history = ASK + [{"role": "assistant", "content": [use.model_dump(exclude_none=True)]},
+                     {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id,
+                                                   "content": "sunny, 21 C"}]}]
+    second = client.messages.create(model="claude-sonnet-4-5", max_tokens=60, tools=ANTHROPIC_TOOLS,
+                                    messages=history)
+    assert blocks_of(second) == [("thinking", "\nThe tool said sunny.\n"), ("text", "\n\nIt is sunny in Paris, 21 C.")]
+    assert second.stop_reason == "end_turn" and second.usage.cache_read_input_tokens > 0
+    # The OpenAI route writes the same reply.
+    openai_reply = server.client().chat.completions.create(model=MODEL, messages=ASK + TOOL_TURN, tools=TOOLS,
+                                                           max_tokens=60)
+    assert message_of(openai_reply)["content"] == second.content[-1].text
+
+
+def test_messages_text_equals_the_openai_route_and_counts_tokens(server):
+    client = anthropic_client(server)
+    kwargs = dict(model="any", max_tokens=60, messages=PLAIN, thinking={"type": "disabled"})
+    whole = client.messages.create(**kwargs)
+    assert blocks_of(whole) == [("text", CONVERSATIONS[3]["reply"])] and whole.stop_reason == "end_turn"
+    with client.messages.stream(**kwargs) as stream:
+        text = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert text == CONVERSATIONS[3]["reply"] and final.usage.output_tokens == whole.usage.output_tokens
+    counted = client.messages.count_tokens(model="any", messages=PLAIN, thinking={"type": "disabled"})
+    assert counted.input_tokens == whole.usage.input_tokens + whole.usage.cache_read_input_tokens
+    stopped = client.messages.create(**dict(kwargs, stop_sequences=["capital"]))
+    assert stopped.stop_reason == "stop_sequence" and stopped.stop_sequence == "capital"
+    assert stopped.content[0].text == "Paris is the "
+    assert client.messages.create(**dict(kwargs, max_tokens=3)).stop_reason == "max_tokens"
+
+
+MALFORMED = [
+    {"messages": PLAIN},                                                       # no max_tokens
+    {"max_tokens": 5},                                                         # no messages
+    {"max_tokens": 5, "messages": "hi"},
+    {"max_tokens": 5, "messages": [{"role": "system", "content": "x"}]},
+    {"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
+    {"max_tokens": 0, "messages": PLAIN},
+    {"max_tokens": 5, "messages": PLAIN, "temperature": 3},
+    {"max_tokens": 5, "messages": PLAIN, "tool_choice": {"type": "tool", "name": "nope"}, "tools": ANTHROPIC_TOOLS},
+    {"max_tokens": 5, "messages": PLAIN, "frobnicate": True},
+    {"max_tokens": 5, "messages": PLAIN, "thinking": {"type": "sometimes"}},
+]
+
+
+def test_malformed_messages_get_anthropic_errors_and_the_server_serves_on(server):
+    for body in MALFORMED:
+        status, reply = server.http("POST", "/v1/messages", body, headers={"x-api-key": API_KEY})
+        assert 400 <= status < 500 and reply["type"] == "error", (body, reply)
+        assert reply["error"]["type"] == "invalid_request_error" and reply["error"]["message"], reply
+    with pytest.raises(anthropic.AuthenticationError):
+        anthropic_client(server, key="wrong").messages.create(model="m", max_tokens=2, messages=PLAIN)
+    assert anthropic_client(server).messages.create(model="m", max_tokens=2, messages=PLAIN).content

@@ -32,6 +32,7 @@ from ..engine import GenerationOptions
 from ..errors import MlxSpecError, RanksLost
 from ..events import Done, Failed
 from ..models.checkpoint import one_line
+from . import anthropic
 from .output import Delta, Reply, ReplySplitter, initial_state, text_machine, token_logprobs, usage
 from .protocol import Request, RequestError, parse
 from .sessions import SessionCache
@@ -334,7 +335,7 @@ class Handler(BaseHTTPRequestHandler):
 
     def _send_error(self, error: RequestError) -> None:
         retry = () if error.retry_after is None else (("Retry-After", str(error.retry_after)),)
-        self._send_json(error.status, error.body(), retry)
+        self._send_json(error.status, anthropic.error_body(error) if self._anthropic else error.body(), retry)
         self._log(error.status, error.message)
 
     def _sse(self, obj) -> None:
@@ -382,7 +383,13 @@ class Handler(BaseHTTPRequestHandler):
 
     def do_POST(self):
         self._route({"/v1/chat/completions": lambda: self._complete(chat=True),
-                     "/v1/completions": lambda: self._complete(chat=False)})
+                     "/v1/completions": lambda: self._complete(chat=False),
+                     "/v1/messages": self._messages, "/v1/messages/count_tokens": self._count_tokens})
+
+    @property
+    def _anthropic(self) -> bool:
+        """A request of Anthropic's Messages API (its errors have Anthropic's shape)."""
+        return self.path.split("?", 1)[0].rstrip("/").startswith("/v1/messages")
 
     def _route(self, routes) -> None:
         path = self.path.split("?", 1)[0].rstrip("/")
@@ -399,12 +406,14 @@ class Handler(BaseHTTPRequestHandler):
             self.close_connection = True
 
     def _authorize(self) -> None:
+        """--api-key as OpenAI's clients send it (Authorization: Bearer) or Anthropic's (x-api-key)."""
         key = self.server.api_key
         if key is None:
             return
-        given = self.headers.get("Authorization", "")
-        if not (given.startswith("Bearer ") and hmac.compare_digest(given[7:].encode(), key.encode())):
-            raise RequestError(401, "a valid API key is required: 'Authorization: Bearer KEY'",
+        bearer = self.headers.get("Authorization", "")
+        given = bearer[7:] if bearer.startswith("Bearer ") else self.headers.get("x-api-key", "")
+        if not (given and hmac.compare_digest(given.encode(), key.encode())):
+            raise RequestError(401, "a valid API key is required: 'Authorization: Bearer KEY' or 'x-api-key: KEY'",
                                code="invalid_api_key")
 
     def _health(self) -> None:
@@ -433,8 +442,30 @@ class Handler(BaseHTTPRequestHandler):
             raise RequestError(400, f"the request body is not valid JSON: {one_line(e)}") from None
 
     def _complete(self, chat: bool) -> None:
-        server = self.server
         request = parse(self._read_body(), chat)
+        job = self._submit(request)
+        try:
+            (self._stream if request.stream else self._whole)(job, Reply(request, self.server.model_name))
+        finally:
+            job.cancelled.set()   # whatever ended the reply, the worker stops at its next token
+
+    def _messages(self) -> None:
+        request = anthropic.parse(self._read_body())
+        job = self._submit(request)
+        try:
+            reply = anthropic.MessageReply(self.server.model_name, request.stop)
+            (self._message_stream if request.stream else self._message_whole)(job, reply)
+        finally:
+            job.cancelled.set()
+
+    def _count_tokens(self) -> None:
+        request = anthropic.parse(self._read_body(), count_only=True)
+        self._send_json(200, {"input_tokens": len(self.server.tokens_for(request))})
+        self._log(200)
+
+    def _submit(self, request: Request) -> Job:
+        """Check the request against the model and queue its generation."""
+        server, chat = self.server, request.chat
         tokens = server.tokens_for(request)
         limit = server.engine.target.context_length
         room = None if limit is None else limit - len(tokens)
@@ -451,17 +482,14 @@ class Handler(BaseHTTPRequestHandler):
                                code="server_busy", kind="server_error", retry_after=RETRY_AFTER_SECONDS)
         job = Job(request, tokens, max_tokens, server.options_for(request))
         server.worker.jobs.put(job)
-        try:
-            (self._stream if request.stream else self._whole)(job, Reply(request, server.model_name))
-        finally:
-            job.cancelled.set()   # whatever ended the reply, the worker stops at its next token
+        return job
 
     def _splitter(self, job: Job) -> Optional[ReplySplitter]:
         """Where a chat reply's text goes (content, reasoning, tool calls); None: a completion's
         text is the reply as written."""
         request, tokenizer = job.request, self.server.tokenizer
-        if not request.chat:
-            return None
+        if not request.chat or not (tokenizer.has_thinking or tokenizer.response_initial_state or request.tools):
+            return None   # nothing to split: the text goes as it is, at no cost per token
         return ReplySplitter(tokenizer, self.server.machine, initial_state(tokenizer, job.tokens, request.tool_choice),
                              request.tools, request.stream)
 
@@ -557,6 +585,53 @@ class Handler(BaseHTTPRequestHandler):
         except (BrokenPipeError, ConnectionResetError):
             job.cancelled.set()
             self.close_connection = True
+
+    def _message_whole(self, job: Job, reply: "anthropic.MessageReply") -> None:
+        splitter, whole, last = self._splitter(job), Delta(), None
+        for event in self._events(job):
+            if isinstance(event, RequestError):
+                raise event
+            last = event
+            delta = splitter.add(event.text, event.finish_reason) if splitter else Delta(content=event.text)
+            whole.content, whole.reasoning = whole.content + delta.content, whole.reasoning + delta.reasoning
+            whole.tool_calls += delta.tool_calls
+        if last is None or last.finish_reason is None:   # the client left
+            self.close_connection = True
+            return
+        self._send_json(200, reply.whole(whole, last.stats))
+        self._log(200, _summary(last.stats))
+
+    def _message_stream(self, job: Job, reply: "anthropic.MessageReply") -> None:
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Cache-Control", "no-cache")
+        self.send_header("Connection", "close")
+        self.end_headers()
+        self.close_connection = True
+        splitter, called = self._splitter(job), False
+        for name, data in reply.start(len(job.tokens)):
+            self._event(name, data)
+        try:
+            for event in self._events(job, keep_alive=self._keep_alive):
+                if isinstance(event, RequestError):
+                    self._event("error", anthropic.error_body(event))   # in a stream, the error is its last event
+                    self._log(event.status, event.message)
+                    break
+                delta = splitter.add(event.text, event.finish_reason) if splitter else Delta(content=event.text)
+                called = called or bool(delta.tool_calls)
+                for name, data in reply.events(delta):
+                    self._event(name, data)
+                if event.finish_reason is not None:
+                    for name, data in reply.finish(event.stats, called):
+                        self._event(name, data)
+                    self._log(200, "stream " + _summary(event.stats))
+        except (BrokenPipeError, ConnectionResetError):
+            job.cancelled.set()
+            self.close_connection = True
+
+    def _event(self, name: str, data: dict) -> None:
+        self.wfile.write(f"event: {name}\ndata: {json.dumps(data)}\n\n".encode())
+        self.wfile.flush()
 
     def _sampled(self, job: Job) -> bool:
         return job.request.sampling.get("temp", self.server.engine.sampling.temp) > 0
