@@ -217,8 +217,9 @@ def generation_options(tokenizer, logits_processors=None, logprobs: bool = False
     most likely alternatives), a prediction of the reply (text or token ids) that drafts too."""
     if isinstance(prediction, str):
         prediction = tokenizer.encode(prediction, add_special_tokens=False)
+    asked = bool(logprobs or top_logprobs)
     return GenerationOptions(logits_processors=tuple(logits_processors or ()),
-                             logprobs=top_logprobs if logprobs or top_logprobs else None,
+                             logprobs=top_logprobs if asked else None, distribution=asked,
                              prediction=tuple(int(t) for t in prediction or ()))
 
 

@@ -64,6 +64,7 @@ class GenerationOptions:
     # to the tokens before it, drafts included, exactly as one-token decoding would see them.
     logits_processors: Tuple[Callable, ...] = ()
     logprobs: Optional[int] = None   # report each token's log-probability and this many alternatives
+    distribution: bool = False       # and the whole distribution at its position (mlx-lm's logprobs [V])
     prediction: Tuple[int, ...] = () # the reply expected (OpenAI's Predicted Outputs): it drafts too
 
 
@@ -307,7 +308,7 @@ class Engine:
             logits = self.processed(logits[0], context, drafts)
             decision = verify_chain(logits, drafts, draft.q, self.sampler, len(context))
             logprobs = self.chain_logprobs(logits, drafts, decision)
-            mx.eval(decision, drafts, logprobs)
+            mx.eval(decision, drafts, logprobs[1:] if logprobs else ())   # the distribution stays lazy
             return self.settle_chain(context, drafts.tolist(), *decision.tolist(), taps, logprobs)
         self.replay = Replay(start) if self.recurrent else None
         tree = Tree(draft.parents)
@@ -362,12 +363,14 @@ class Engine:
         logits = logits if logits.dtype == mx.float32 else logits.astype(mx.float32)
         total = mx.logsumexp(logits, axis=-1, keepdims=True)
         chosen = (mx.take_along_axis(logits, tokens[:, None], axis=-1) - total)[:, 0]
+        # The distribution only where asked (a lazy array per token would keep the pass's logits alive).
+        distribution = logits - total if self.options.distribution else None
         if not top:
-            return logits - total, chosen, mx.zeros((tokens.shape[0], 0), mx.int32), mx.zeros((tokens.shape[0], 0))
+            return distribution, chosen, mx.zeros((tokens.shape[0], 0), mx.int32), mx.zeros((tokens.shape[0], 0))
         best = mx.argpartition(-logits, kth=top - 1, axis=-1)[:, :top]
         values = mx.take_along_axis(logits, best, axis=-1) - total
         order = mx.argsort(-values, axis=-1)
-        return logits - total, chosen, mx.take_along_axis(best, order, axis=-1), mx.take_along_axis(values, order, axis=-1)
+        return distribution, chosen, mx.take_along_axis(best, order, axis=-1), mx.take_along_axis(values, order, axis=-1)
 
     def chain_pass(self, inputs: mx.array, start: int):
         """The target's pass over inputs [last token, drafts...] at positions start..: (logits,
@@ -567,9 +570,9 @@ def token_logprobs(arrays, n: int) -> Optional[List[TokenLogprobs]]:
     """The first n rows of _logprob_arrays' (evaluated here where they are not yet) as TokenLogprobs."""
     if arrays is None:
         return None
-    logprobs, chosen, best, best_logprobs = arrays
+    distribution, chosen, best, best_logprobs = arrays
     mx.eval(chosen, best, best_logprobs)
-    return [TokenLogprobs(lp, tuple(zip(ids, lps)), logprobs[i])
+    return [TokenLogprobs(lp, tuple(zip(ids, lps)), None if distribution is None else distribution[i])
             for i, (lp, ids, lps) in enumerate(zip(chosen[:n].tolist(), best[:n].tolist(), best_logprobs[:n].tolist()))]
 
 

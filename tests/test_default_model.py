@@ -228,7 +228,7 @@ def test_logprobs_with_eagles_accepted_drafts_equal_mlx_lms(target, temp):
                                                          sampler=sampler)]
     engine = Engine(target, make_drafter("eagle", target, {}), num_draft_tokens=4, adaptive=False, sampling=params,
                     seed=9)
-    collected = Collector.of(engine.generate(prompt, max_tokens=24, options=GenerationOptions(logprobs=3)))
+    collected = Collector.of(engine.generate(prompt, max_tokens=24, options=GenerationOptions(logprobs=3, distribution=True)))
     assert collected.tokens == [t for t, _ in reference[:len(collected.tokens)]] and any(collected.from_draft)
     for (token, logprobs), ours in zip(reference, collected.logprobs):
         assert abs(ours.logprob - logprobs[token].item()) < 1e-4

@@ -70,7 +70,7 @@ def test_logprobs_equal_mlx_lms_with_accepted_drafts(target, sampled):
     params = SAMPLED if sampled else None
     reference = mlx_lm_run(target, PROMPT, 30, processors, params, seed=4)
     tokens = [t for t, _ in reference]
-    options = GenerationOptions(logits_processors=tuple(processors), logprobs=5)
+    options = GenerationOptions(logits_processors=tuple(processors), logprobs=5, distribution=True)
     for name, engine in sources(target, tokens).items():
         collected = Collector.of(engine.generate(PROMPT, max_tokens=30, sampling=params, seed=4, options=options))
         assert collected.tokens == tokens, name
