@@ -11,8 +11,3 @@ if _workers > 1:
 # matmuls on Linux); conftest runs before any test module imports mlx.
 import mlx_spec  # noqa: E402,F401
 
-
-def pytest_collection_modifyitems(config, items):
-    """The statistical exactness tests (10,000 draws each, most of a minute) first: two xdist
-    workers then end together instead of one running a long test alone at the end."""
-    items.sort(key=lambda item: "exact" not in item.nodeid and "sampl" not in item.nodeid)

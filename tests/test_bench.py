@@ -11,7 +11,7 @@ from tiny import tiny_chat_model_dir
 
 from mlx_spec import bench
 from mlx_spec.drafters.lookup import LookupDrafter
-from mlx_spec.engine import Engine
+from mlx_spec.engine import Engine, GenerationOptions
 from mlx_spec.events import Token
 from mlx_spec.models.target import load_target
 from mlx_spec.sampling import SamplingParams
@@ -25,9 +25,9 @@ def tiny_dir(tmp_path_factory):
 class DivergentEngine(Engine):
     """Replaces the target's 6th token: a method that is NOT lossless."""
 
-    def generate(self, prompt, max_tokens=256, stop_strings=()):
+    def generate(self, prompt, max_tokens=256, stop_strings=(), options=GenerationOptions()):
         n = 0
-        for event in super().generate(prompt, max_tokens, stop_strings):
+        for event in super().generate(prompt, max_tokens, stop_strings, options=options):
             if isinstance(event, Token):
                 n += 1
                 if n == 6:
@@ -186,8 +186,8 @@ def test_rows_follow_methods_and_say_what_they_cannot(tmp_path):
 class DivergentRun(Engine):
     """As DivergentEngine, for the batched path (which drives Engine.run)."""
 
-    def run(self, prompt, max_tokens=256, stop_strings=(), sampling=None, seed=None):
-        n, events = 0, super().run(prompt, max_tokens, stop_strings, sampling, seed)
+    def run(self, prompt, max_tokens=256, stop_strings=(), sampling=None, seed=None, options=GenerationOptions()):
+        n, events = 0, super().run(prompt, max_tokens, stop_strings, sampling, seed, options)
         event = next(events)
         while True:
             if isinstance(event, Token):   # not a pending pass

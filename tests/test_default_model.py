@@ -18,7 +18,7 @@ from mlx_spec.models.default import SHIPPED_DRAFTERS
 from mlx_spec.models.target import Target, load_target
 from mlx_spec.sampling import SamplingParams
 
-MAX_TOKENS = 128
+MAX_TOKENS = 64
 # Tokens per step the shipped drafters must beat on a held-out arithmetic prompt at their
 # default draft length, every draft verified (EAGLE-3 3.6, DFlash 2.6, MTP 3.6, Medusa 3.4 there
 # with the drafters of 2026-11-30): a random drafter's stay at 1.0.
