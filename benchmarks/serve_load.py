@@ -29,6 +29,9 @@ Fairness:
 
     .venv/bin/python benchmarks/serve_load.py --concurrency 1,2,4,8 --max-tokens 64 [--json out.json]
     .venv/bin/python benchmarks/serve_load.py --concurrency 1,2 --max-tokens 8 --limit 2 --configs mlx_lm,lookup
+
+A config ending in +logprobs (lookup+logprobs) sends logprobs: true, top_logprobs: 5 with every
+request: what asking for them costs.
 """
 
 import argparse
@@ -127,7 +130,11 @@ class ServerProcess:
         self.proc.wait(10)
 
 
+LOGPROBS = "+logprobs"   # a config's requests ask for logprobs (and 5 alternatives)
+
+
 def start_server(config, model_dir, args):
+    config = config.removesuffix(LOGPROBS)
     if config == "mlx_lm":
         port = free_port()
         argv = [sys.executable, "-c", MLX_LM, "--model", str(model_dir), "--host", "127.0.0.1",
@@ -213,9 +220,10 @@ def stream_chat(port, body, timeout):
     return result
 
 
-def request_body(model, prompt, index, args, max_tokens=None, seeded=True):
+def request_body(model, prompt, index, args, max_tokens=None, seeded=True, extra=None):
     body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens or args.max_tokens,
-            "temperature": args.temperature, "stream": True, "stream_options": {"include_usage": True}}
+            "temperature": args.temperature, "stream": True, "stream_options": {"include_usage": True},
+            **(extra or {})}
     if model is not None:
         body["model"] = model
     if args.temperature > 0 and seeded:
@@ -223,7 +231,7 @@ def request_body(model, prompt, index, args, max_tokens=None, seeded=True):
     return body
 
 
-def run_level(port, model, prompts, concurrency, args, seeded=True):
+def run_level(port, model, prompts, concurrency, args, seeded=True, extra=None):
     """(results in job order, wall seconds): each prompt --repeats times, N clients sharing the list."""
     jobs = [i for _ in range(args.repeats) for i in range(len(prompts))]
     todo = queue.Queue()
@@ -237,7 +245,8 @@ def run_level(port, model, prompts, concurrency, args, seeded=True):
                 j = todo.get_nowait()
             except queue.Empty:
                 return
-            results[j] = stream_chat(port, request_body(model, prompts[jobs[j]], jobs[j], args, seeded=seeded),
+            results[j] = stream_chat(port, request_body(model, prompts[jobs[j]], jobs[j], args, seeded=seeded,
+                                                        extra=extra),
                                      args.timeout)
 
     threads = [threading.Thread(target=client, daemon=True) for _ in range(concurrency)]
@@ -269,7 +278,8 @@ def run_config(config, model_dir, prompts, args):
                 # mlx_lm.server batches only requests without a seed: at temperature > 0 it gets none
                 # (its best throughput; its sampled texts are then not comparable), unless --seed-mlx-lm.
                 seeded = config != "mlx_lm" or args.seed_mlx_lm
-                results, wall, jobs = run_level(server.port, model, prompts, concurrency, args, seeded)
+                extra = {"logprobs": True, "top_logprobs": 5} if config.endswith(LOGPROBS) else None
+                results, wall, jobs = run_level(server.port, model, prompts, concurrency, args, seeded, extra)
                 levels[concurrency] = dict(results=results, wall=wall, jobs=jobs)
                 errors = [r["error"] for r in results if r["error"]]
                 print(f"{config} x{concurrency}: {len(results)} requests in {wall:.1f} s"
