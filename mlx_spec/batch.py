@@ -259,7 +259,7 @@ class BatchEngine:
                      for b, (row, (context, drafts, _)) in enumerate(zip(rows, inputs))]
         logprobs = [row.engine.chain_logprobs(logits[b], drafts, decisions[b])
                     for b, (row, (_, drafts, _)) in enumerate(zip(rows, inputs))]
-        mx.eval(decisions, [drafts for _, drafts, _ in inputs], [lp[1:] for lp in logprobs if lp is not None])
+        mx.eval(decisions, [drafts for _, drafts, _ in inputs], [lp.chosen for lp in logprobs if lp is not None])
         for batch in self.cache:   # padding past each row's drafts is not the row's
             batch.lengths = [n - (width - w) for n, w in zip(batch.lengths, widths)]
         seconds = time.perf_counter() - tic

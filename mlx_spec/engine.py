@@ -308,7 +308,7 @@ class Engine:
             logits = self.processed(logits[0], context, drafts)
             decision = verify_chain(logits, drafts, draft.q, self.sampler, len(context))
             logprobs = self.chain_logprobs(logits, drafts, decision)
-            mx.eval(decision, drafts, logprobs[1:] if logprobs else ())   # the distribution stays lazy
+            mx.eval(decision, drafts, logprobs.chosen if logprobs else ())
             return self.settle_chain(context, drafts.tolist(), *decision.tolist(), taps, logprobs)
         self.replay = Replay(start) if self.recurrent else None
         tree = Tree(draft.parents)
@@ -322,7 +322,7 @@ class Engine:
         self.cached_tokens = context + [drafts[i] for i in path]
         verdict = self._kept(context, drafts, path, next_token, taps, mx.array(nodes))
         tokens = mx.array([drafts[i] for i in path] + [next_token], mx.int32)
-        verdict.logprobs = token_logprobs(self._logprob_arrays(logits[mx.array(nodes)], tokens), len(nodes))
+        verdict.logprobs = token_logprobs(self._logprob_rows(logits[mx.array(nodes)], tokens), len(nodes))
         return verdict
 
     def processed(self, logits: mx.array, context: List[int], drafts: mx.array, tree: Optional[Tree] = None):
@@ -344,33 +344,23 @@ class Engine:
         return mx.concatenate(rows, axis=0)
 
     def chain_logprobs(self, logits: mx.array, drafts: mx.array, decision: mx.array):
-        """Lazily, where the generation asks for logprobs: the rows' log-probabilities [k+1, V]
-        of a chain's (processed) logits and, at each row, the token it would commit (the draft
-        before the verdict's n, the target's token at n) with its alternatives; the verdict
-        reads the first n + 1 rows, evaluated with the decision (no sync of their own)."""
+        """Lazily, where the generation asks for logprobs: at each row of a chain's (processed)
+        logits, the log-probability of the token it would commit (the draft before the verdict's
+        n, the target's token at n), evaluated with the decision (no sync of its own); the
+        verdict reads the first n + 1 rows (token_logprobs)."""
         if self.options.logprobs is None:
             return None
         rows = mx.arange(drafts.shape[0] + 1)
         tokens = mx.where(rows == decision[0], decision[1], mx.concatenate([drafts, decision[1:2]]))
-        return self._logprob_arrays(logits, tokens)
+        return self._logprob_rows(logits, tokens)
 
-    def _logprob_arrays(self, logits: mx.array, tokens: mx.array):
-        """(log-probabilities [n, V], each token's [n], the top alternatives' ids and values
-        [n, k] most likely first), lazy. Few operations (each costs a dispatch on the CPU): the
-        values come from the logits and their log-sum-exp; the whole distribution is left lazy
-        (computed where a caller reads it); the top k by a partition, not a sort of the vocabulary."""
-        top = self.options.logprobs
+    def _logprob_rows(self, logits: mx.array, tokens: mx.array) -> "LogprobRows":
+        """Each row's token's log-probability, lazy: from the logits and their log-sum-exp,
+        without the whole distribution (few operations: each costs a dispatch on the CPU)."""
         logits = logits if logits.dtype == mx.float32 else logits.astype(mx.float32)
         total = mx.logsumexp(logits, axis=-1, keepdims=True)
         chosen = (mx.take_along_axis(logits, tokens[:, None], axis=-1) - total)[:, 0]
-        # The distribution only where asked (a lazy array per token would keep the pass's logits alive).
-        distribution = logits - total if self.options.distribution else None
-        if not top:
-            return distribution, chosen, mx.zeros((tokens.shape[0], 0), mx.int32), mx.zeros((tokens.shape[0], 0))
-        best = mx.argpartition(-logits, kth=top - 1, axis=-1)[:, :top]
-        values = mx.take_along_axis(logits, best, axis=-1) - total
-        order = mx.argsort(-values, axis=-1)
-        return distribution, chosen, mx.take_along_axis(best, order, axis=-1), mx.take_along_axis(values, order, axis=-1)
+        return LogprobRows(logits, total, chosen, self.options.logprobs, self.options.distribution)
 
     def chain_pass(self, inputs: mx.array, start: int):
         """The target's pass over inputs [last token, drafts...] at positions start..: (logits,
@@ -566,14 +556,36 @@ class Engine:
                 f"context of {limit} tokens")
 
 
-def token_logprobs(arrays, n: int) -> Optional[List[TokenLogprobs]]:
-    """The first n rows of _logprob_arrays' (evaluated here where they are not yet) as TokenLogprobs."""
-    if arrays is None:
+@dataclass
+class LogprobRows:
+    """A pass's rows as logprobs need them: the (processed) logits [n, V], their log-sum-exp
+    [n, 1] and each row's committed token's log-probability [n]."""
+    logits: mx.array
+    total: mx.array
+    chosen: mx.array
+    top: int                 # alternatives per token
+    distribution: bool       # the whole distribution too (the Python API's mlx-lm field)
+
+
+def token_logprobs(rows: Optional[LogprobRows], n: int) -> Optional[List[TokenLogprobs]]:
+    """The first n rows (the committed tokens) as TokenLogprobs. Their alternatives are found
+    here, once the verdict says how many rows were committed: a partition of those rows' logits
+    (not of every verified row's, nor a sort of the vocabulary)."""
+    if rows is None:
         return None
-    distribution, chosen, best, best_logprobs = arrays
-    mx.eval(chosen, best, best_logprobs)
+    logits, total = rows.logits[:n], rows.total[:n]
+    if rows.top:
+        best = mx.argpartition(-logits, kth=rows.top - 1, axis=-1)[:, :rows.top]
+        values = mx.take_along_axis(logits, best, axis=-1) - total
+        order = mx.argsort(-values, axis=-1)
+        best, values = mx.take_along_axis(best, order, axis=-1), mx.take_along_axis(values, order, axis=-1)
+        mx.eval(rows.chosen, best, values)
+        best, values = best.tolist(), values.tolist()
+    else:
+        best = values = [[]] * n
+    distribution = logits - total if rows.distribution else None
     return [TokenLogprobs(lp, tuple(zip(ids, lps)), None if distribution is None else distribution[i])
-            for i, (lp, ids, lps) in enumerate(zip(chosen[:n].tolist(), best[:n].tolist(), best_logprobs[:n].tolist()))]
+            for i, (lp, ids, lps) in enumerate(zip(rows.chosen[:n].tolist(), best, values))]
 
 
 def _first_positions(pieces: List[mx.array], length: int) -> List[mx.array]:

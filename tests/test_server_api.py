@@ -194,11 +194,12 @@ def test_penalties_equal_mlx_lm_with_its_processors(server, model_dir):
 
     model, tokenizer = mlx_lm.load(str(model_dir))
     prompt = prompt_of(tokenizer, CONVERSATIONS[3])
-    # Strong enough to change the trained reply whatever the trained weights came out as.
-    favoured = tokenizer.encode(" Rome", add_special_tokens=False)[0]
+    # The trained reply's first token barred: the text changes whatever the trained weights came
+    # out as (a memorized reply can hold its tokens by margins no mild penalty moves).
+    barred = tokenizer.encode(CONVERSATIONS[3]["reply"], add_special_tokens=False)[0]
     penalties = dict(repetition_penalty=1.5, presence_penalty=0.8, frequency_penalty=0.5,
-                     logit_bias={str(favoured): 12.0})
-    processors = make_logits_processors(logit_bias={favoured: 12.0}, repetition_penalty=1.5, presence_penalty=0.8,
+                     logit_bias={str(barred): -100.0})
+    processors = make_logits_processors(logit_bias={barred: -100.0}, repetition_penalty=1.5, presence_penalty=0.8,
                                         frequency_penalty=0.5)
     reference = tokenizer.decode([int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=30,
                                                                    logits_processors=processors)])
