@@ -223,7 +223,9 @@ def test_a_prediction_drafts_and_is_reported(server):
     details = predicted.usage.completion_tokens_details
     assert details.accepted_prediction_tokens == predicted.usage.completion_tokens
     assert details.rejected_prediction_tokens == 0
-    assert predicted.usage.model_extra["speculative"]["tokens_per_step"] > 2
+    # how much it drafts is the adaptive policy's choice (it times passes): only that it drafted and was kept
+    speculative = predicted.usage.model_extra["speculative"]
+    assert speculative["accepted_drafts"] > 0
     wrong = client.chat.completions.create(prediction={"type": "content", "content": "Rome is in Italy."}, **kwargs)
     assert wrong.choices[0].message.content == reply
     assert wrong.usage.completion_tokens_details.rejected_prediction_tokens > 0

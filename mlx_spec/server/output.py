@@ -111,8 +111,8 @@ def usage(stats, method: str, sampled: bool, prediction: Optional[dict] = None) 
     if prediction is not None:
         out["completion_tokens_details"] = prediction
     out["speculative"] = {"method": method, "steps": stats.steps, "tokens_per_step": round(stats.tokens_per_step, 4),
-                          "acceptance_rate": round(stats.acceptance_rate, 4), "drafts_verified": stats.verified_drafts,
-                          "plain_steps": stats.plain_steps, "seed": stats.seed if sampled else None}
+                          "acceptance_rate": round(stats.acceptance_rate, 4), "verified_drafts": stats.verified_drafts,
+                          "accepted_drafts": stats.accepted_drafts, "plain_steps": stats.plain_steps, "seed": stats.seed if sampled else None}
     return out
 
 
