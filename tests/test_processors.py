@@ -107,7 +107,7 @@ def edited(tokens, every=7):
 def test_a_prediction_drafts_losslessly(target, source):
     expected = plain_greedy(target.model, PROMPT, 48)
     for prediction, least_tau in ((expected, 4.0), (edited(expected), 1.5), ([30, 31] * 5, 0.0)):
-        engine = Engine(target, LookupDrafter() if source == "lookup" else None)
+        engine = Engine(target, LookupDrafter() if source == "lookup" else None, adaptive=False)
         collected = Collector.of(engine.generate(PROMPT, max_tokens=48, options=GenerationOptions(
             prediction=tuple(prediction))))
         assert collected.tokens == expected, prediction
@@ -121,7 +121,7 @@ def test_a_prediction_in_a_batch_and_when_sampling(target):
     expected = plain_greedy(target.model, PROMPT, 30)
     other = PROMPT[:-1] + [9]
     expected_other = plain_greedy(target.model, other, 30)
-    batch = BatchEngine.spawned(Engine(target, LookupDrafter()), 2)
+    batch = BatchEngine.spawned(Engine(target, LookupDrafter(), adaptive=False), 2)
     requests = [dict(prompt=PROMPT, max_tokens=30, options=GenerationOptions(prediction=tuple(expected))),
                 dict(prompt=other, max_tokens=30, options=GenerationOptions(prediction=tuple(edited(expected_other))))]
     collected = {0: Collector(), 1: Collector()}
