@@ -259,14 +259,17 @@ class BatchEngine:
                      for b, (row, (context, drafts, _)) in enumerate(zip(rows, inputs))]
         logprobs = [row.engine.chain_logprobs(logits[b], drafts, decisions[b])
                     for b, (row, (_, drafts, _)) in enumerate(zip(rows, inputs))]
-        mx.eval(decisions, [drafts for _, drafts, _ in inputs], [lp.chosen for lp in logprobs if lp is not None])
+        mx.eval(decisions, [drafts for _, drafts, _ in inputs])
+        decisions = [decision.tolist() for decision in decisions]
+        # every row's logprobs in one evaluation (settle_chain's would sync once per row)
+        mx.eval([lp.committed(n_accepted + 1) for lp, (n_accepted, _) in zip(logprobs, decisions) if lp is not None])
         for batch in self.cache:   # padding past each row's drafts is not the row's
             batch.lengths = [n - (width - w) for n, w in zip(batch.lengths, widths)]
         seconds = time.perf_counter() - tic
         self.pass_cost.record(len(rows) * width, seconds)
         shares = self.shares(widths, width)
         for b, (row, (context, drafts, _)) in enumerate(zip(rows, inputs)):
-            n_accepted, next_token = decisions[b].tolist()
+            n_accepted, next_token = decisions[b]
             # Gathered: a session keeps them, and a slice would keep every row's alive.
             own = {layer: mx.take(taps[layer], mx.array([b]), axis=0) for layer in row.engine.drafter.taps}
             row.verdict = row.engine.settle_chain(context, drafts.tolist(), n_accepted, next_token, own, logprobs[b])

@@ -308,7 +308,7 @@ class Engine:
             logits = self.processed(logits[0], context, drafts)
             decision = verify_chain(logits, drafts, draft.q, self.sampler, len(context))
             logprobs = self.chain_logprobs(logits, drafts, decision)
-            mx.eval(decision, drafts, logprobs.chosen if logprobs else ())
+            mx.eval(decision, drafts)
             return self.settle_chain(context, drafts.tolist(), *decision.tolist(), taps, logprobs)
         self.replay = Replay(start) if self.recurrent else None
         tree = Tree(draft.parents)
@@ -322,7 +322,9 @@ class Engine:
         self.cached_tokens = context + [drafts[i] for i in path]
         verdict = self._kept(context, drafts, path, next_token, taps, mx.array(nodes))
         tokens = mx.array([drafts[i] for i in path] + [next_token], mx.int32)
-        verdict.logprobs = token_logprobs(self._logprob_rows(logits[mx.array(nodes)], tokens), len(nodes))
+        if self.options.logprobs is not None:
+            verdict.logprobs = token_logprobs(LogprobRows(logits[mx.array(nodes)], tokens, self.options.logprobs,
+                                                          self.options.distribution), len(nodes))
         return verdict
 
     def processed(self, logits: mx.array, context: List[int], drafts: mx.array, tree: Optional[Tree] = None):
@@ -344,23 +346,14 @@ class Engine:
         return mx.concatenate(rows, axis=0)
 
     def chain_logprobs(self, logits: mx.array, drafts: mx.array, decision: mx.array):
-        """Lazily, where the generation asks for logprobs: at each row of a chain's (processed)
-        logits, the log-probability of the token it would commit (the draft before the verdict's
-        n, the target's token at n), evaluated with the decision (no sync of its own); the
-        verdict reads the first n + 1 rows (token_logprobs)."""
+        """Where the generation asks for logprobs: a chain's (processed) logits and the token
+        each row would commit (the draft before the verdict's n, the target's token at n), lazy;
+        token_logprobs reads the first n + 1 rows once the verdict is known."""
         if self.options.logprobs is None:
             return None
         rows = mx.arange(drafts.shape[0] + 1)
         tokens = mx.where(rows == decision[0], decision[1], mx.concatenate([drafts, decision[1:2]]))
-        return self._logprob_rows(logits, tokens)
-
-    def _logprob_rows(self, logits: mx.array, tokens: mx.array) -> "LogprobRows":
-        """Each row's token's log-probability, lazy: from the logits and their log-sum-exp,
-        without the whole distribution (few operations: each costs a dispatch on the CPU)."""
-        logits = logits if logits.dtype == mx.float32 else logits.astype(mx.float32)
-        total = mx.logsumexp(logits, axis=-1, keepdims=True)
-        chosen = (mx.take_along_axis(logits, tokens[:, None], axis=-1) - total)[:, 0]
-        return LogprobRows(logits, total, chosen, self.options.logprobs, self.options.distribution)
+        return LogprobRows(logits, tokens, self.options.logprobs, self.options.distribution)
 
     def chain_pass(self, inputs: mx.array, start: int):
         """The target's pass over inputs [last token, drafts...] at positions start..: (logits,
@@ -374,7 +367,7 @@ class Engine:
                      taps: Dict[int, mx.array], logprobs=None) -> Verdict:
         """After a pass over [context[-1]] + drafts (and whatever padding followed them, in a
         batch): keep the accepted drafts in the cache, drop the rest. taps: [1, width, H];
-        logprobs: chain_logprobs' arrays, evaluated (None: not asked)."""
+        logprobs: chain_logprobs' rows (None: not asked)."""
         self.cached_tokens = context + drafts
         path = list(range(n_accepted))
         self._roll_back(len(context) + n_accepted)
@@ -558,34 +551,44 @@ class Engine:
 
 @dataclass
 class LogprobRows:
-    """A pass's rows as logprobs need them: the (processed) logits [n, V], their log-sum-exp
-    [n, 1] and each row's committed token's log-probability [n]."""
+    """A pass's rows as logprobs need them: the (processed) logits [n, V] and the token each row
+    commits [n]; `committed` works out the figures of the rows the verdict committed."""
     logits: mx.array
-    total: mx.array
-    chosen: mx.array
+    tokens: mx.array
     top: int                 # alternatives per token
     distribution: bool       # the whole distribution too (the Python API's mlx-lm field)
+    n: int = 0               # rows committed, once `committed` has been called:
+    total: Optional[mx.array] = None    # their log-sum-exp [n, 1]
+    chosen: Optional[mx.array] = None   # each token's log-probability [n]
+    best: Optional[mx.array] = None     # the top alternatives [n, top], most likely first
+    values: Optional[mx.array] = None   # and their log-probabilities [n, top]
+
+    def committed(self, n: int) -> List[mx.array]:
+        """The first n rows' figures, lazy (a batch evaluates every row's at once): the log-sum-
+        exp and the alternatives of the committed rows only (a partition, not a sort of the
+        vocabulary). Returns the arrays to evaluate."""
+        if self.n != n:
+            logits = self.logits[:n]
+            logits = logits if logits.dtype == mx.float32 else logits.astype(mx.float32)
+            self.n, self.total = n, mx.logsumexp(logits, axis=-1, keepdims=True)
+            self.chosen = (mx.take_along_axis(logits, self.tokens[:n, None], axis=-1) - self.total)[:, 0]
+            if self.top:
+                best = mx.argpartition(-logits, kth=self.top - 1, axis=-1)[:, :self.top]
+                values = mx.take_along_axis(logits, best, axis=-1) - self.total
+                order = mx.argsort(-values, axis=-1)
+                self.best, self.values = mx.take_along_axis(best, order, axis=-1), mx.take_along_axis(values, order, axis=-1)
+        return [self.chosen] + ([self.best, self.values] if self.top else [])
 
 
 def token_logprobs(rows: Optional[LogprobRows], n: int) -> Optional[List[TokenLogprobs]]:
-    """The first n rows (the committed tokens) as TokenLogprobs. Their alternatives are found
-    here, once the verdict says how many rows were committed: a partition of those rows' logits
-    (not of every verified row's, nor a sort of the vocabulary)."""
+    """The first n rows (the committed tokens) as TokenLogprobs."""
     if rows is None:
         return None
-    logits, total = rows.logits[:n], rows.total[:n]
-    if rows.top:
-        best = mx.argpartition(-logits, kth=rows.top - 1, axis=-1)[:, :rows.top]
-        values = mx.take_along_axis(logits, best, axis=-1) - total
-        order = mx.argsort(-values, axis=-1)
-        best, values = mx.take_along_axis(best, order, axis=-1), mx.take_along_axis(values, order, axis=-1)
-        mx.eval(rows.chosen, best, values)
-        best, values = best.tolist(), values.tolist()
-    else:
-        best = values = [[]] * n
-    distribution = logits - total if rows.distribution else None
+    mx.eval(rows.committed(n))
+    best, values = (rows.best.tolist(), rows.values.tolist()) if rows.top else ([[]] * n, [[]] * n)
+    distribution = rows.logits[:n].astype(mx.float32) - rows.total if rows.distribution else None
     return [TokenLogprobs(lp, tuple(zip(ids, lps)), None if distribution is None else distribution[i])
-            for i, (lp, ids, lps) in enumerate(zip(rows.chosen[:n].tolist(), best, values))]
+            for i, (lp, ids, lps) in enumerate(zip(rows.chosen.tolist(), best, values))]
 
 
 def _first_positions(pieces: List[mx.array], length: int) -> List[mx.array]:

@@ -33,7 +33,8 @@ from ..errors import MlxSpecError, RanksLost
 from ..events import Done, Failed
 from ..models.checkpoint import one_line
 from . import anthropic
-from .output import Delta, Reply, ReplySplitter, initial_state, text_machine, token_logprobs, usage
+from .output import (Delta, Reply, ReplySplitter, initial_state, text_machine, token_logprobs, token_texts,
+                     usage)
 from .protocol import Request, RequestError, parse
 from .sessions import SessionCache
 
@@ -258,7 +259,7 @@ class Server(ThreadingHTTPServer):
             self.server_close()
             raise
         self.tokenizer, self.sessions = self.worker.tokenizer, self.worker.sessions
-        self.machine = text_machine(self.tokenizer)
+        self.machine, self.token_text = text_machine(self.tokenizer), token_texts(self.tokenizer)
 
     def shutdown_worker(self) -> None:
         self.worker.stop()
@@ -496,7 +497,7 @@ class Handler(BaseHTTPRequestHandler):
     def _logprobs(self, job: Job, response) -> Optional[List[dict]]:
         if job.request.logprobs is None or response.token is None:
             return None
-        return [token_logprobs(self.server.tokenizer, response.token, response.logprob, response.top_logprobs)]
+        return [token_logprobs(self.server.token_text, response.token, response.logprob, response.top_logprobs)]
 
     def _usage(self, job: Job, stats, tokens: List[int]) -> dict:
         """usage, with OpenAI's accepted_prediction_tokens (the prediction's tokens found, in

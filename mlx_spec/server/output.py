@@ -6,10 +6,11 @@ markers (removing them), and the tokenizer's tool parser (mlx_lm/tool_parsers/) 
 tool-call section into a call, formatted by mlx_lm.server's ToolCallFormatter. What the target
 wrote is not changed: only where it goes (content, reasoning, tool_calls)."""
 
+import functools
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 from mlx_lm.generate import TextStateMachine, make_text_state_machine
 from mlx_lm.server import ToolCallFormatter
@@ -81,10 +82,15 @@ class ReplySplitter:
         return delta
 
 
-def token_logprobs(tokenizer, token: int, logprob: float, top) -> dict:
+def token_texts(tokenizer) -> Callable[[int], str]:
+    """A token's text on its own, remembered (logprobs decode six tokens per token sent)."""
+    return functools.lru_cache(maxsize=None)(lambda token: tokenizer.decode([token]))
+
+
+def token_logprobs(token_text: Callable[[int], str], token: int, logprob: float, top) -> dict:
     """One token's logprobs entry (OpenAI's fields, and mlx_lm.server's `id`)."""
     def entry(token_id, value):
-        text = tokenizer.decode([token_id])
+        text = token_text(token_id)
         return {"token": text, "logprob": value, "bytes": list(text.encode("utf-8"))}
 
     return {**entry(token, logprob), "id": token, "top_logprobs": [entry(i, v) for i, v in top]}
