@@ -141,8 +141,10 @@ def start_server(config, model_dir, args):
                 "--port", str(port), "--max-tokens", str(args.max_tokens)]
         return ServerProcess("mlx_lm.server", argv, port)
     method, _, max_batch = config.partition("/")
+    # no prompt cache on disk: mlx_lm.server has none, and --cold means a server that holds nothing
     argv = [str(MLX_SPEC), "serve", "--host", "127.0.0.1", "--port", "0", "--model", str(model_dir),
-            "--draft", method, "--max-tokens", str(args.max_tokens)] + (["--max-batch", max_batch] if max_batch else [])
+            "--draft", method, "--max-tokens", str(args.max_tokens), "--prompt-cache-dir", "off"] + (
+                ["--max-batch", max_batch] if max_batch else [])
     return ServerProcess(f"mlx-spec serve --draft {method}" + (f" --max-batch {max_batch}" if max_batch else ""), argv)
 
 

@@ -21,6 +21,8 @@ CACHE_BYTES = 24 << 20   # a few conversations of the default model: the load te
 
 class ServerProcess:
     def __init__(self, *args):
+        if "--prompt-cache-dir" not in args:   # a test's models are not the user's
+            args = (*args, "--prompt-cache-dir", "off")
         self.process = subprocess.Popen([sys.executable, "-m", "mlx_spec.cli", "serve", "--port", "0", *args],
                                         stderr=subprocess.PIPE, text=True)
         self.lines = []

@@ -25,6 +25,12 @@ def _interrupt(signum, frame):
               help="Most conversations kept besides the current one (their caches are reused).")
 @click.option("--prompt-cache-bytes", type=click.IntRange(0), default=1 << 30, show_default=True,
               help="Most bytes those conversations' caches take.")
+@click.option("--prompt-cache-dir", default="", show_default=False,
+              help="Where conversations go on disk when evicted from memory and at shutdown, so that a "
+                   "restart continues them (default: one directory per model under ~/.cache/mlx-spec/"
+                   "prompt-cache), or off.")
+@click.option("--prompt-cache-disk-bytes", type=click.IntRange(1), default=8 << 30, show_default=True,
+              help="Most bytes the conversations on disk take (least recently used out first).")
 @click.option("--max-batch", type=click.IntRange(1), default=8, show_default=True,
               help="Most requests generated at once, sharing each target pass (1: one at a time).")
 @click.option("--max-body-bytes", type=click.IntRange(1), default=1 << 20, show_default=True,
@@ -39,8 +45,9 @@ def _interrupt(signum, frame):
               help="JSON arguments for the chat template, e.g. '{\"enable_thinking\": false}' (a request's "
                    "chat_template_kwargs add to them).")
 @reports_errors
-def serve(host, port, max_tokens, api_key, prompt_cache_size, prompt_cache_bytes, max_batch, max_body_bytes,
-          backlog, max_queued, allowed_origins, chat_template_args, **options):
+def serve(host, port, max_tokens, api_key, prompt_cache_size, prompt_cache_bytes, prompt_cache_dir,
+          prompt_cache_disk_bytes, max_batch, max_body_bytes, backlog, max_queued, allowed_origins,
+          chat_template_args, **options):
     """Serve the model over the OpenAI API: POST /v1/chat/completions and /v1/completions
     (streaming too), GET /v1/models and /health. Up to --max-batch requests are generated at
     once, each with the --draft source, every step's drafts verified in one pass for all of
@@ -55,8 +62,8 @@ def serve(host, port, max_tokens, api_key, prompt_cache_size, prompt_cache_bytes
             load_engine(options)   # serves rank 0's passes; the process ends with rank 0's
         # The other ranks mirror one cache: the prompt cache is the live conversation alone.
         echo_err("mlx-spec serve: split target: requests run one at a time, and the prompt cache is the "
-                 "current conversation (--prompt-cache-size 0)")
-        prompt_cache_size, max_batch = 0, 1
+                 "current conversation (--prompt-cache-size 0, none on disk)")
+        prompt_cache_size, max_batch, prompt_cache_dir = 0, 1, "off"
     try:
         template_args = json.loads(chat_template_args) if chat_template_args else {}
     except json.JSONDecodeError as e:
@@ -71,7 +78,9 @@ def serve(host, port, max_tokens, api_key, prompt_cache_size, prompt_cache_bytes
                         max_tokens=max_tokens, allowed_origins=origins, chat_template_args=template_args,
                         api_key=api_key, max_body_bytes=max_body_bytes, max_sessions=prompt_cache_size,
                         max_cache_bytes=prompt_cache_bytes, max_batch=max_batch, backlog=backlog,
-                        max_queued=max_queued, log=echo_err)
+                        max_queued=max_queued, log=echo_err,
+                        prompt_cache_dir=None if prompt_cache_dir == "off" else prompt_cache_dir,
+                        prompt_cache_disk_bytes=prompt_cache_disk_bytes)
     except OSError as e:
         raise click.ClickException(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
     bound_host, bound_port = server.server_address[:2]

@@ -19,6 +19,7 @@ import socket
 import sys
 import threading
 import time
+from pathlib import Path
 
 import mlx.core as mx
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -36,6 +37,7 @@ from . import anthropic
 from .output import (Delta, Reply, ReplySplitter, initial_state, text_machine, token_logprobs, token_texts,
                      usage)
 from .protocol import Request, RequestError, parse
+from .disk_cache import DEFAULT_MAX_BYTES as DEFAULT_DISK_BYTES, DiskCache, default_directory, model_identity
 from .sessions import SessionCache
 
 POLL_SECONDS = 0.05
@@ -60,9 +62,11 @@ class Worker(threading.Thread):
     """Owns the engine: loads it (MLX's streams belong to the thread that made them, as in
     mlx_lm.server), then generates for one job at a time, in the order they came."""
 
-    def __init__(self, load, max_sessions: int, max_cache_bytes: int, log, max_batch: int = 1):
+    def __init__(self, load, max_sessions: int, max_cache_bytes: int, log, max_batch: int = 1,
+                 prompt_cache_dir: Optional[str] = None, prompt_cache_disk_bytes: int = DEFAULT_DISK_BYTES):
         super().__init__(name="mlx-spec-worker", daemon=True)
         self.load, self.max_sessions, self.max_cache_bytes, self.log = load, max_sessions, max_cache_bytes, log
+        self.prompt_cache_dir, self.prompt_cache_disk_bytes = prompt_cache_dir, prompt_cache_disk_bytes
         self.max_batch = max_batch
         self.batch: Optional[BatchEngine] = None
         self.jobs: "queue.Queue" = queue.Queue()
@@ -106,7 +110,7 @@ class Worker(threading.Thread):
                 self.batch = BatchEngine.spawned(self.engine, self.max_batch)
             else:
                 self.log(f"batching off: {reason}; requests run one at a time")
-        self.sessions = SessionCache(self.engine, self.max_sessions, self.max_cache_bytes)
+        self.sessions = SessionCache(self.engine, self.max_sessions, self.max_cache_bytes, self._disk_cache())
         self.loaded.set()
         try:
             if self.batch is not None:
@@ -114,6 +118,7 @@ class Worker(threading.Thread):
             else:
                 self._serve_one_at_a_time()
         finally:
+            self.sessions.flush(self.batch.engines if self.batch is not None else [self.engine])
             self.engine.close()   # here: MLX's streams belong to this thread
         while True:   # stopped: whoever still waits is told so
             try:
@@ -123,6 +128,26 @@ class Worker(threading.Thread):
             if job is not None:
                 job.events.put(RequestError(503, "the server is shutting down", kind="server_error"))
                 job.events.put(END)
+
+    def _disk_cache(self) -> Optional[DiskCache]:
+        """The prompt cache on disk: prompt_cache_dir, "" for the default one of this model,
+        None for none."""
+        if self.prompt_cache_dir is None:
+            return None
+        target = self.engine.target
+        identity = model_identity(target)
+        if identity is None:
+            self.log("prompt cache on disk: off (the model has no directory to name it by)")
+            return None
+        directory = Path(self.prompt_cache_dir).expanduser() if self.prompt_cache_dir else \
+            default_directory(target, identity)
+        try:
+            disk = DiskCache(directory, target, identity, self.prompt_cache_disk_bytes, self.log)
+        except OSError as e:
+            self.log(f"prompt cache on disk: off (cannot use {directory}: {one_line(e)})")
+            return None
+        self.log(f"prompt cache on disk: {directory} ({disk.stats['entries']} conversations)")
+        return disk
 
     def _next_job(self, block: bool) -> Optional[Job]:
         """The next queued job still wanted (None: none queued, or stopping)."""
@@ -237,11 +262,13 @@ class Server(ThreadingHTTPServer):
                  api_key: Optional[str] = None, max_body_bytes: int = 1 << 20, max_sessions: int = 10,
                  max_cache_bytes: int = 1 << 30, max_batch: int = 1, backlog: int = socket.SOMAXCONN,
                  max_queued: int = 256, allowed_origins: Sequence[str] = (), chat_template_args: Optional[dict] = None,
-                 log=None):
+                 prompt_cache_dir: Optional[str] = None, prompt_cache_disk_bytes: int = DEFAULT_DISK_BYTES, log=None):
         """load: () -> Engine, called on the worker thread (errors raised here, before serving).
         backlog: connections the kernel holds before they are accepted (socketserver's default
         of 5 resets a burst of parallel requests); max_queued: requests waiting for the engine
-        past which a request gets a 503 with Retry-After instead of waiting."""
+        past which a request gets a 503 with Retry-After instead of waiting; prompt_cache_dir:
+        where conversations go on disk ("": the model's default directory; None: nowhere),
+        prompt_cache_disk_bytes: the most they take there."""
         self.request_queue_size = backlog   # read by server_activate's listen()
         self.max_queued = max_queued
         super().__init__(address, Handler)
@@ -252,7 +279,8 @@ class Server(ThreadingHTTPServer):
         self.allowed_origins = set(allowed_origins)   # CORS: browser pages of these origins ("*": any)
         self.chat_template_args = dict(chat_template_args or {})
         self.log = log or (lambda line: print(line, file=sys.stderr, flush=True))
-        self.worker = Worker(load, max_sessions, max_cache_bytes, self.log, max_batch)
+        self.worker = Worker(load, max_sessions, max_cache_bytes, self.log, max_batch, prompt_cache_dir,
+                             prompt_cache_disk_bytes)
         try:
             self.engine = self.worker.start_engine()
         except BaseException:
@@ -422,7 +450,8 @@ class Handler(BaseHTTPRequestHandler):
         self._send_json(200, {"status": "ok", "model": self.server.model_name, "draft": self.server.method,
                               "queued": self.server.worker.jobs.qsize(),
                               "prompt_cache": {"sessions": len(sessions.stored), "bytes": sessions.nbytes,
-                                               "max_bytes": sessions.max_bytes}})
+                                               "max_bytes": sessions.max_bytes,
+                                               "disk": sessions.disk.stats if sessions.disk else None}})
 
     def _models(self) -> None:
         self._send_json(200, {"object": "list", "data": [
