@@ -27,6 +27,7 @@ from .drafters.base import Draft
 from .engine import PREFILL_CHUNK, Engine, GenerationOptions, PendingPrefill, PendingVerification, Verdict
 from .errors import MlxSpecError
 from .events import Event, Failed, Prefilled
+from .logprobs import committed_logprobs
 from .sampling import SamplingParams
 from .verify import verify_chain
 
@@ -261,8 +262,7 @@ class BatchEngine:
                     for b, (row, (_, drafts, _)) in enumerate(zip(rows, inputs))]
         mx.eval(decisions, [drafts for _, drafts, _ in inputs])
         decisions = [decision.tolist() for decision in decisions]
-        # every row's logprobs in one evaluation (settle_chain's would sync once per row)
-        mx.eval([lp.committed(n_accepted + 1) for lp, (n_accepted, _) in zip(logprobs, decisions) if lp is not None])
+        committed_logprobs([(lp, n_accepted + 1) for lp, (n_accepted, _) in zip(logprobs, decisions) if lp is not None])
         for batch in self.cache:   # padding past each row's drafts is not the row's
             batch.lengths = [n - (width - w) for n, w in zip(batch.lengths, widths)]
         seconds = time.perf_counter() - tic

@@ -27,6 +27,7 @@ from .drafters.combined import Combined
 from .drafters.prediction import PredictionDrafter
 from .errors import MlxSpecError
 from .events import Done, Event, Prefilled, Stats, Step, Text, Token, TokenLogprobs
+from .logprobs import LogprobRows, token_logprobs
 from .policy import DraftPlan, DraftPolicy, StepOutcome
 from .sampling import Sampler, SamplingParams
 from .tree import Tree, compact, tree_forward, verify_tree
@@ -547,48 +548,6 @@ class Engine:
             raise MlxSpecError(
                 f"prompt ({len(prompt)} tokens) + max tokens ({max_tokens}) exceed the model's "
                 f"context of {limit} tokens")
-
-
-@dataclass
-class LogprobRows:
-    """A pass's rows as logprobs need them: the (processed) logits [n, V] and the token each row
-    commits [n]; `committed` works out the figures of the rows the verdict committed."""
-    logits: mx.array
-    tokens: mx.array
-    top: int                 # alternatives per token
-    distribution: bool       # the whole distribution too (the Python API's mlx-lm field)
-    n: int = 0               # rows committed, once `committed` has been called:
-    total: Optional[mx.array] = None    # their log-sum-exp [n, 1]
-    chosen: Optional[mx.array] = None   # each token's log-probability [n]
-    best: Optional[mx.array] = None     # the top alternatives [n, top], most likely first
-    values: Optional[mx.array] = None   # and their log-probabilities [n, top]
-
-    def committed(self, n: int) -> List[mx.array]:
-        """The first n rows' figures, lazy (a batch evaluates every row's at once): the log-sum-
-        exp and the alternatives of the committed rows only (a partition, not a sort of the
-        vocabulary). Returns the arrays to evaluate."""
-        if self.n != n:
-            logits = self.logits[:n]
-            logits = logits if logits.dtype == mx.float32 else logits.astype(mx.float32)
-            self.n, self.total = n, mx.logsumexp(logits, axis=-1, keepdims=True)
-            self.chosen = (mx.take_along_axis(logits, self.tokens[:n, None], axis=-1) - self.total)[:, 0]
-            if self.top:
-                best = mx.argpartition(-logits, kth=self.top - 1, axis=-1)[:, :self.top]
-                values = mx.take_along_axis(logits, best, axis=-1) - self.total
-                order = mx.argsort(-values, axis=-1)
-                self.best, self.values = mx.take_along_axis(best, order, axis=-1), mx.take_along_axis(values, order, axis=-1)
-        return [self.chosen] + ([self.best, self.values] if self.top else [])
-
-
-def token_logprobs(rows: Optional[LogprobRows], n: int) -> Optional[List[TokenLogprobs]]:
-    """The first n rows (the committed tokens) as TokenLogprobs."""
-    if rows is None:
-        return None
-    mx.eval(rows.committed(n))
-    best, values = (rows.best.tolist(), rows.values.tolist()) if rows.top else ([[]] * n, [[]] * n)
-    distribution = rows.logits[:n].astype(mx.float32) - rows.total if rows.distribution else None
-    return [TokenLogprobs(lp, tuple(zip(ids, lps)), None if distribution is None else distribution[i])
-            for i, (lp, ids, lps) in enumerate(zip(rows.chosen.tolist(), best, values))]
 
 
 def _first_positions(pieces: List[mx.array], length: int) -> List[mx.array]:

@@ -5,12 +5,13 @@ beside the engine's source. Every source stays lossless: greedy token-identical 
 the same processors, sampling exact."""
 
 import mlx.core as mx
+import numpy as np
 import pytest
 from exactness import STRICT, repeated_prompt, sampling_pvalue
 from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_logits_processors
 from test_tree import ScriptedTreeDrafter
-from tiny import ScriptedDrafter, plain_greedy, run, tiny_target
+from tiny import ScriptedDrafter, plain_greedy, renormalised, run, tiny_target
 
 from mlx_spec.batch import BatchEngine
 from mlx_spec.bench import seeded_sampler
@@ -19,6 +20,7 @@ from mlx_spec.drafters.lookup import LookupDrafter
 from mlx_spec.drafters.suffix import SuffixDrafter
 from mlx_spec.engine import Engine, GenerationOptions
 from mlx_spec.events import Collector
+from mlx_spec.logprobs import top_indices
 from mlx_spec.sampling import Sampler, SamplingParams
 
 PROMPT = [1, 5, 7, 9, 11, 13, 2, 5, 7, 9, 11, 13, 2, 5, 7]
@@ -76,9 +78,43 @@ def test_logprobs_equal_mlx_lms_with_accepted_drafts(target, sampled):
         assert collected.tokens == tokens, name
         assert any(collected.from_draft) or name in ("none", "lookup"), name   # lookup: no match when sampled
         for (token, logprobs), ours in zip(reference, collected.logprobs):
+            logprobs = renormalised(logprobs)
             assert abs(ours.logprob - logprobs[token].item()) < 1e-4, name
             assert [i for i, _ in ours.top] == mx.argsort(-logprobs)[:5].tolist(), name
             assert mx.allclose(ours.distribution, logprobs, atol=1e-4), name
+
+
+def test_a_batchs_rows_get_their_own_logprobs(target):
+    """Rows asking for 5 alternatives, none, and no logprobs at all, worked out together."""
+    other = [2, 4, 6, 8, 4, 6, 8, 4, 6]
+    references = [mlx_lm_run(target, prompt, 24) for prompt in (PROMPT, other, PROMPT)]
+    batch = BatchEngine.spawned(Engine(target, LookupDrafter(), num_draft_tokens=6, adaptive=False), 3)
+    asked = [5, 0, None]
+    requests = [dict(prompt=prompt, max_tokens=24, options=GenerationOptions(logprobs=top))
+                for prompt, top in zip((PROMPT, other, PROMPT), asked)]
+    collected = {i: Collector() for i in range(3)}
+    for i, event in batch.generate_all(requests):
+        collected[i].add(event)
+    assert any(collected[0].from_draft) and any(collected[1].from_draft)
+    for reference, top, got in zip(references, asked, collected.values()):
+        assert got.tokens == [t for t, _ in reference]
+        if top is None:
+            assert got.logprobs == [None] * 24
+            continue
+        for (token, logprobs), ours in zip(reference, got.logprobs):
+            logprobs = renormalised(logprobs)
+            assert abs(ours.logprob - logprobs[token].item()) < 1e-4
+            assert [i for i, _ in ours.top] == mx.argsort(-logprobs)[:top].tolist()
+            assert all(abs(v - logprobs[i].item()) < 1e-4 for i, v in ours.top)
+
+
+@pytest.mark.parametrize("shape", [(4, 49152), (3, 49153), (2, 1000), (2, 7)])
+def test_top_indices_are_the_largest_in_order(shape):
+    rng = np.random.default_rng(shape[1])
+    values = rng.standard_normal(shape).astype(np.float32)
+    values[0, rng.integers(0, shape[1], 3)] = -np.inf   # a processor's banned tokens
+    for k in (1, 5, 20):
+        assert (top_indices(values, k) == np.argsort(-values, axis=-1)[:, :k]).all(), (shape, k)
 
 
 def test_no_logprobs_unless_asked(target):
