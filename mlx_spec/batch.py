@@ -46,6 +46,7 @@ class Row:
     started: bool = False
     verdict: Optional[Verdict] = None   # the last pass's, sent at the next step
     pending: Optional[PendingVerification] = field(default=None, repr=False)
+    prefill: Optional[PendingPrefill] = field(default=None, repr=False)   # its prompt's next chunk
 
 
 class BatchEngine:
@@ -110,15 +111,16 @@ class BatchEngine:
         row.engine.reset()
 
     def step(self) -> List[Tuple[Row, Event]]:
-        """One step of every row: new rows prefill (in passes they share) and join, each row
-        drafts, one target pass verifies every row's drafts, each row commits. Returns the rows'
+        """One step of every row: rows still prefilling run their prompt's next chunk (in passes
+        they share) and join once it is in, each row drafts, one target pass verifies every
+        joined row's drafts, each row commits. Returns the rows'
         events (Engine.generate's, and Failed for a row that failed and left), each row's in
         order."""
-        events, prefills = [], []
+        events = []
         for row in list(self.rows):
-            pending = self._advance(row, row.verdict, events)
-            if isinstance(pending, PendingPrefill):
-                prefills.append((row, pending))
+            if row.prefill is None:   # else it waits for its prompt's next chunk
+                self._advance(row, row.verdict, events)
+        prefills = [(row, row.prefill) for row in self.rows if row.prefill is not None]
         if prefills:
             try:
                 filled = self._prefill(prefills)
@@ -127,14 +129,15 @@ class BatchEngine:
                     self._fail(row, e, events)
                 filled = []
             for row, taps in filled:
+                row.prefill = None
                 self._advance(row, taps, events)
-        if self.rows:
+        if any(row.pending is not None for row in self.rows):
             self._verify()
         return events
 
-    def _advance(self, row: Row, value, events: list):
+    def _advance(self, row: Row, value, events: list) -> None:
         """Run a row's coroutine (sent `value`) to its next pass, collecting its events; the
-        pass it waits for (a PendingVerification is kept as row.pending), or None if it left."""
+        pass it waits for is kept as row.pending (a verification) or row.prefill."""
         try:
             event = row.run.send(value) if row.started else next(row.run)
             row.started, row.verdict = True, None
@@ -145,13 +148,14 @@ class BatchEngine:
                 event = next(row.run)
         except StopIteration:
             self._leave(row)
-            return None
+            return
         except Exception as e:   # this row's alone (a prompt too long): the others go on
             self._fail(row, e, events)
-            return None
+            return
         if isinstance(event, PendingVerification):
             row.pending = event
-        return event
+        else:
+            row.prefill = event
 
     def _fail(self, row: Row, error: Exception, events: list) -> None:
         events.append((row, Failed(error)))
@@ -241,7 +245,7 @@ class BatchEngine:
     def _verify(self) -> None:
         """One target pass over every row's [last token, drafts]; each row's verdict."""
         tic = time.perf_counter()
-        rows = sorted(self.rows, key=lambda r: r.index)
+        rows = sorted((row for row in self.rows if row.pending is not None), key=lambda r: r.index)
         width = self._width([row.pending for row in rows])
         inputs = []
         for row in rows:

@@ -26,7 +26,7 @@ from .drafters.base import Draft, Drafter, NoDrafter
 from .drafters.combined import Combined
 from .drafters.prediction import PredictionDrafter
 from .errors import MlxSpecError
-from .events import Done, Event, Prefilled, Stats, Step, Text, Token, TokenLogprobs
+from .events import Done, Event, Prefilled, Prefilling, Stats, Step, Text, Token, TokenLogprobs
 from .logprobs import LogprobRows, token_logprobs
 from .policy import DraftPlan, DraftPolicy, StepOutcome
 from .sampling import Sampler, SamplingParams
@@ -83,8 +83,9 @@ class Verdict:
 
 @dataclass
 class PendingPrefill:
-    """The cache must hold `tokens` (it holds a prefix of them, engine.cached_tokens): the
-    coroutine (Engine.run) is sent the taps {layer: [1, n, H]} of the positions computed."""
+    """The cache must hold `tokens` (it holds a prefix of them, engine.cached_tokens, and at most
+    PREFILL_CHUNK fewer): the coroutine (Engine.run) is sent the taps {layer: [1, n, H]} of the
+    positions computed."""
     tokens: List[int]
 
 
@@ -414,7 +415,17 @@ class Engine:
             start -= 1
         self._roll_back(start)
         start = len(self.cached_tokens)   # 0 when the cache could not roll back
-        taps = yield PendingPrefill(list(context[:-1]))
+        # A chunk per pass: a batch's other rows go on between them, a caller sees the progress
+        # (and may stop there).
+        pieces, prompt = {}, list(context[:-1])
+        while True:
+            end = min(len(self.cached_tokens) + PREFILL_CHUNK, len(prompt))
+            for layer, h in (yield PendingPrefill(prompt[:end])).items():
+                pieces.setdefault(layer, []).append(h)
+            if end == len(prompt):
+                break
+            yield Prefilling(end - start, len(prompt) - start)
+        taps = {layer: mx.concatenate(hs, axis=1) for layer, hs in pieces.items()}
         reused = start
         if self.drafter_stale:
             # The drafter starts over on this conversation, from the features the session kept.

@@ -1,6 +1,7 @@
 """What a generation reports as it goes, and the record of all of it.
 
-Engine.run yields, in order: `Prefilled` once the prompt is in the cache; at each verification
+Engine.run yields, in order: `Prefilling` after each chunk of a long prompt but the last,
+`Prefilled` once the prompt is in the cache; at each verification
 step a `Step`, then a `Token` for each token it committed (with the text that token releases);
 a `Text` for text the detokenizer releases only at the end; and `Done` with the complete
 `Stats` (the same object `Prefilled` carried). A batch reports `Failed` for a generation that
@@ -83,6 +84,14 @@ class Stats:
 
 
 @dataclass(frozen=True)
+class Prefilling:
+    """Part of a long prompt is in the cache (a chunk of PREFILL_CHUNK tokens at a time): `done`
+    of the `total` tokens a prefill computes (those not already cached)."""
+    done: int
+    total: int
+
+
+@dataclass(frozen=True)
 class Prefilled:
     """The prompt is in the cache; `stats` is the generation's record, filled in as it goes."""
     stats: Stats
@@ -137,7 +146,7 @@ class Failed:
     error: Exception
 
 
-Event = Union[Prefilled, Step, Token, Text, Done, Failed]
+Event = Union[Prefilling, Prefilled, Step, Token, Text, Done, Failed]
 
 
 @dataclass

@@ -15,7 +15,7 @@ from mlx_spec.drafters.eagle import EagleDrafter
 from mlx_spec.drafters.lookup import LookupDrafter
 from mlx_spec.engine import Engine
 from mlx_spec.errors import MlxSpecError
-from mlx_spec.events import Collector, Failed, Token
+from mlx_spec.events import Collector, Failed, Prefilling, Step, Token
 from mlx_spec.sampling import SamplingParams
 
 PROMPTS = [
@@ -179,6 +179,39 @@ def test_a_removed_row_leaves_the_others_alone(target, references):
         assert outputs[id(rows[i])] == references[tuple(PROMPTS[i])][:30]
     tokens, _ = batch_run(batch, [(PROMPTS[1], dict(max_tokens=30))])[0]   # the engine is reusable
     assert tokens == references[tuple(PROMPTS[1])][:30]
+
+
+def test_a_long_prompt_prefills_a_chunk_per_step_beside_decoding_rows(target, references, monkeypatch):
+    """Chunks of 8 (PREFILL_CHUNK, cut down): a row already decoding steps between the new row's
+    chunks (a long prompt does not stall it), and both write mlx-lm's tokens; a row removed while
+    it prefills leaves the other alone."""
+    import mlx_spec.engine as engine_module
+
+    monkeypatch.setattr(engine_module, "PREFILL_CHUNK", 8)
+    long = (PROMPTS[2] * 2)[:40]
+    engine = Engine(target, PerPromptScript(references, 32), num_draft_tokens=2, adaptive=False)
+    batch = BatchEngine.spawned(engine, 2)
+    first = batch.add(PROMPTS[0], max_tokens=40)
+    events = batch.step() + batch.step()   # its 14 prompt tokens in, in two chunks
+    second = batch.add(long, max_tokens=20)
+    while batch.rows:
+        events += batch.step()
+    progress = [i for i, (row, e) in enumerate(events) if row is second and isinstance(e, Prefilling)]
+    assert [(events[i][1].done, events[i][1].total) for i in progress] == [(8, 39), (16, 39), (24, 39), (32, 39)]
+    assert all(any(row is first and isinstance(e, Step) for row, e in events[i:j])
+               for i, j in zip(progress, progress[1:]))
+    tokens = {id(row): [e.id for r, e in events if r is row and isinstance(e, Token)] for row in (first, second)}
+    assert tokens[id(first)] == references[tuple(PROMPTS[0])]
+    assert tokens[id(second)] == plain_greedy(target.model, long, 20)
+    # removed in the middle of its prompt: the other row goes on, the engine serves again
+    first, second = batch.add(PROMPTS[3], max_tokens=30), batch.add(long, max_tokens=5)
+    events = batch.step() + batch.step()
+    assert any(row is second and isinstance(e, Prefilling) for row, e in events) and second.prefill is not None
+    batch.remove(second)
+    while batch.rows:
+        events += batch.step()
+    assert [e.id for r, e in events if r is first and isinstance(e, Token)] == references[tuple(PROMPTS[3])][:30]
+    assert batch_run(batch, [(long, dict(max_tokens=12))])[0][0] == plain_greedy(target.model, long, 12)
 
 
 def test_a_failing_row_fails_alone(target, references):

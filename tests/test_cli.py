@@ -237,6 +237,7 @@ def test_chat_in_a_terminal():
     assert long_line > 2400, long_line
     # The cached conversation is not counted as computed prompt: the rate is of the new tokens.
     assert re.search(rb"prompt: %d tokens \(\d+ cached\)" % long_line, term.seen)
+    assert re.search(rb"prompt  \[#+-*\] +\d+%", term.seen)   # its progress (more than a chunk of 2,048)
 
     term.expect(">> ")
     term.type("some words")

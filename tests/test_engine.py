@@ -85,6 +85,39 @@ def test_session_reuses_the_cache_prefix():
     assert tokens == plain_greedy(target.model, other, 20)
 
 
+def test_a_long_prompt_prefills_in_chunks_and_reports_them(monkeypatch):
+    """Chunks of 8 (PREFILL_CHUNK, mlx-lm's prefill_step_size, cut down): a Prefilling event after
+    each but the last, counting the tokens computed (not those the cache held); the output and
+    the drafter's features are what one pass gives (EAGLE-3 reads them)."""
+    import mlx_spec.engine as engine_module
+    from test_eagle import eagle_target, random_eagle
+
+    from mlx_spec.drafters.eagle import EagleDrafter
+    from mlx_spec.events import Collector, Prefilling, Token
+
+    target = eagle_target()
+    prompt = (PROMPT * 3)[:40]
+    model = random_eagle(target, seed=3, scale=1.0)   # a seed whose drafts are sometimes accepted
+    model._target_embed = target.embed
+    engine = Engine(target, EagleDrafter(model, target.vocab_size), num_draft_tokens=3, adaptive=False)
+    whole = Collector.of(engine.generate(prompt, max_tokens=16))
+    monkeypatch.setattr(engine_module, "PREFILL_CHUNK", 8)
+    engine.reset()
+    events = list(engine.generate(prompt, max_tokens=16))
+    assert [(e.done, e.total) for e in events if isinstance(e, Prefilling)] == [(8, 39), (16, 39), (24, 39), (32, 39)]
+    chunked = Collector()
+    for event in events:
+        chunked.add(event)
+    assert chunked.tokens == whole.tokens == plain_greedy(target.model, prompt, 16)
+    assert chunked.from_draft == whole.from_draft and any(whole.from_draft)   # the same drafts: the same features
+    follow_up = prompt + chunked.tokens + [3, 4, 5, 6, 10] * 4
+    events = list(engine.generate(follow_up, max_tokens=8))
+    cached = len(prompt) + 16 - 2   # the cache's, less the position a feature drafter recomputes
+    assert [(e.done, e.total) for e in events if isinstance(e, Prefilling)] == [
+        (8, len(follow_up) - 1 - cached), (16, len(follow_up) - 1 - cached)]
+    assert [e.id for e in events if isinstance(e, Token)] == plain_greedy(target.model, follow_up, 8)
+
+
 def test_prompt_longer_than_context():
     target = tiny_target("llama", context=64)
     with pytest.raises(MlxSpecError, match="exceed the model's context of 64"):

@@ -301,6 +301,30 @@ def test_a_burst_of_64_connections_gets_every_sequential_output(server):
     assert server.rss_mb() - rss_before < 300
 
 
+def test_a_long_prompt_streams_its_progress_as_comments(server):
+    """A prompt of more than one prefill chunk (2,048 tokens): an SSE comment per chunk before
+    the first token (proxies and clients with read timeouts see progress), which the openai
+    client skips; the reply is the same."""
+    content = " ".join(f"Line {i}: the quick brown fox jumps over the lazy dog." for i in range(200))
+    content += "\nWhat does the fox jump over?"
+    connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=300)
+    connection.request("POST", "/v1/chat/completions", headers={"Authorization": f"Bearer {API_KEY}"},
+                       body=json.dumps({"messages": [{"role": "user", "content": content}], "max_tokens": 8,
+                                        "stream": True}))
+    lines = connection.getresponse().read().decode().split("\n")
+    connection.close()
+    progress = [re.fullmatch(r": prompt (\d+)/(\d+) tokens", line) for line in lines]
+    progress = [(int(m.group(1)), int(m.group(2))) for m in progress if m]
+    first_token = next(i for i, line in enumerate(lines) if line.startswith("data:") and '"content": "' in line
+                       and '"content": ""' not in line)
+    assert progress and [done for done, _ in progress] == [2048 * (i + 1) for i in range(len(progress))]
+    assert all(lines.index(f": prompt {done}/{total} tokens") < first_token for done, total in progress)
+    raw = "".join(json.loads(line[6:])["choices"][0]["delta"].get("content") or ""
+                  for line in lines if line.startswith("data: {") and json.loads(line[6:])["choices"])
+    text, finish, usage = streamed(server.client(), content, max_tokens=8)
+    assert text == raw and finish == ["length"] and usage.prompt_tokens > progress[-1][1]
+
+
 def test_a_full_queue_answers_503_with_retry_after():
     process = ServerProcess("--draft", "none", "--max-batch", "1", "--max-queued", "1")
     try:

@@ -7,7 +7,7 @@ from typing import Optional
 import click
 
 from ..errors import MlxSpecError
-from ..events import Collector, Text, Token
+from ..events import Collector, Prefilling, Text, Token
 
 
 class GroupedOption(click.Option):
@@ -117,13 +117,27 @@ def stream(events, out=sys.stdout, collected: Optional[Collector] = None, stop=N
     was printed survives an interrupted stream). stop() True ends the generation at the next
     event (its stats then say "interrupted")."""
     collected = Collector() if collected is None else collected
-    for event in events:
-        collected.add(event)
-        text = event.text if isinstance(event, (Token, Text)) else ""
-        if text and out is not None:
-            out.write(text)
-            out.flush()
-        if stop is not None and stop():
-            events.close()
-            break
+    bar = None   # while a long prompt prefills (Prefilling events): a progress bar on stderr
+    try:
+        for event in events:
+            collected.add(event)
+            if isinstance(event, Prefilling):
+                if bar is None:
+                    bar = click.progressbar(length=event.total, label="prompt", file=click.get_text_stream("stderr"))
+                    bar.__enter__()
+                bar.update(event.done - bar.pos)
+            elif bar is not None:   # the prompt is in
+                bar.update(bar.length - bar.pos)
+                bar.__exit__(None, None, None)
+                bar = None
+            text = event.text if isinstance(event, (Token, Text)) else ""
+            if text and out is not None:
+                out.write(text)
+                out.flush()
+            if stop is not None and stop():
+                events.close()
+                break
+    finally:
+        if bar is not None:
+            bar.__exit__(None, None, None)
     return collected

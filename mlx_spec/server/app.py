@@ -31,7 +31,7 @@ from ..batch import BatchEngine
 from ..cache import common_prefix_length
 from ..engine import GenerationOptions
 from ..errors import MlxSpecError, RanksLost
-from ..events import Done, Failed
+from ..events import Done, Failed, Prefilling
 from ..models.checkpoint import one_line
 from . import anthropic
 from .output import (Delta, Reply, ReplySplitter, initial_state, text_machine, token_logprobs, token_texts,
@@ -199,6 +199,8 @@ class Worker(threading.Thread):
                 else:
                     for response in responses.add(event):
                         job.events.put(response)
+                    if isinstance(event, Prefilling):
+                        job.events.put(event)
                     if not isinstance(event, Done):
                         continue
                     job.events.put(responses.last())
@@ -238,6 +240,8 @@ class Worker(threading.Thread):
             for event in self.engine.generate(job.tokens, job.max_tokens, request.stop, params, seed, job.options):
                 for response in responses.add(event):
                     job.events.put(response)
+                if isinstance(event, Prefilling):
+                    job.events.put(event)
                 if job.cancelled.is_set() or self.stopping.is_set():
                     self.log("client gone: generation stopped" if job.cancelled.is_set() else "stopped")
                     return   # closes the generator at this event: the cache stays consistent
@@ -541,7 +545,8 @@ class Handler(BaseHTTPRequestHandler):
 
     def _events(self, job: Job, keep_alive=None):
         """The job's events, until its end; stops early (cancelling it) if the client leaves.
-        keep_alive() is called about once a second while nothing comes (queued, prefilling)."""
+        keep_alive(progress) is called at each chunk of a long prompt (a Prefilling) and about
+        once a second while nothing comes (queued, prefilling: progress None)."""
         quiet_since = time.monotonic()
         while True:
             try:
@@ -551,12 +556,16 @@ class Handler(BaseHTTPRequestHandler):
                     job.cancelled.set()
                     return
                 if keep_alive is not None and time.monotonic() - quiet_since > KEEP_ALIVE_SECONDS:
-                    keep_alive()
+                    keep_alive(None)
                     quiet_since = time.monotonic()
                 continue
             quiet_since = time.monotonic()
             if event is END:
                 return
+            if isinstance(event, Prefilling):
+                if keep_alive is not None:
+                    keep_alive(event)
+                continue
             yield event
             if job.cancelled.is_set():
                 return
@@ -666,8 +675,10 @@ class Handler(BaseHTTPRequestHandler):
     def _sampled(self, job: Job) -> bool:
         return job.request.sampling.get("temp", self.server.engine.sampling.temp) > 0
 
-    def _keep_alive(self) -> None:
-        self.wfile.write(b": waiting\n\n")
+    def _keep_alive(self, progress: Optional[Prefilling]) -> None:
+        """An SSE comment (every client skips it): the prompt's progress, or that it waits."""
+        text = f"prompt {progress.done}/{progress.total} tokens" if progress else "waiting"
+        self.wfile.write(f": {text}\n\n".encode())
         self.wfile.flush()
 
 
