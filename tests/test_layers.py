@@ -8,7 +8,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "mlx_spec"
 # Lowest first; a module may import from its own layer and those below.
 LAYERS = [
     {"errors", "events"},
-    {"hub", "sampling", "cost", "cache", "verify", "tree", "models", "suffix_memory"},
+    {"hub", "sampling", "cost", "cache", "verify", "logprobs", "tree", "models", "suffix_memory"},
     {"drafters"},
     {"policy", "engine", "batch", "distributed", "config"},
     {"convert", "train", "bench", "bench_suite"},
