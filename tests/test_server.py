@@ -305,11 +305,12 @@ def test_a_long_prompt_streams_its_progress_as_comments(server):
     """A prompt of more than one prefill chunk (2,048 tokens): an SSE comment per chunk before
     the first token (proxies and clients with read timeouts see progress), which the openai
     client skips; the reply is the same."""
-    content = " ".join(f"Line {i}: the quick brown fox jumps over the lazy dog." for i in range(200))
+    # 2,168 tokens: a chunk and a little more (each prefill of it takes ~20 s on a 2-core CPU)
+    content = " ".join(f"Line {i}: the quick brown fox jumps over the lazy dog." for i in range(140))
     content += "\nWhat does the fox jump over?"
     connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=300)
     connection.request("POST", "/v1/chat/completions", headers={"Authorization": f"Bearer {API_KEY}"},
-                       body=json.dumps({"messages": [{"role": "user", "content": content}], "max_tokens": 8,
+                       body=json.dumps({"messages": [{"role": "user", "content": content}], "max_tokens": 4,
                                         "stream": True}))
     lines = connection.getresponse().read().decode().split("\n")
     connection.close()
@@ -321,7 +322,7 @@ def test_a_long_prompt_streams_its_progress_as_comments(server):
     assert all(lines.index(f": prompt {done}/{total} tokens") < first_token for done, total in progress)
     raw = "".join(json.loads(line[6:])["choices"][0]["delta"].get("content") or ""
                   for line in lines if line.startswith("data: {") and json.loads(line[6:])["choices"])
-    text, finish, usage = streamed(server.client(), content, max_tokens=8)
+    text, finish, usage = streamed(server.client(), content, max_tokens=4)
     assert text == raw and finish == ["length"] and usage.prompt_tokens > progress[-1][1]
 
 
