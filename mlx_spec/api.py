@@ -40,13 +40,29 @@ def draft_model_path(method: str, draft_model: Optional[str]) -> Optional[str]:
     takes none: the registry then says so)."""
     from .drafters import DRAFTERS, check_method
 
+    if method == "auto":   # it takes none: auto.choose says so
+        return draft_model
     if draft_model and "draft_model" in DRAFTERS[check_method(method)].options.names():
         return str(resolve(draft_model, None, "draft model"))
     return draft_model
 
 
+@dataclass(frozen=True)
+class Loaded:
+    engine: Engine
+    tokenizer: Any
+    draft: str                  # the source it runs (what --draft auto chose)
+    why: Optional[str] = None   # why --draft auto chose it
+
+
 def load(path_or_hf_repo: Optional[str] = None, **settings):
-    """(model, tokenizer): the target (default: the embedded SmolLM2-135M-Instruct) with the
+    """(model, tokenizer) of load_model: mlx-lm's shape."""
+    loaded = load_model(path_or_hf_repo, **settings)
+    return loaded.engine, loaded.tokenizer
+
+
+def load_model(path_or_hf_repo: Optional[str] = None, confirm=None, **settings) -> Loaded:
+    """The target (default: the embedded SmolLM2-135M-Instruct) with the
     draft source `draft` (default "lookup"; see mlx_spec.drafters.DRAFTERS), adaptive by
     default. Every setting is an EngineConfig field, named as the CLI's options (config.py:
     draft, draft_model, num_draft_tokens, adaptive, stop_early, the source's own ngram_*,
@@ -57,7 +73,11 @@ def load(path_or_hf_repo: Optional[str] = None, **settings):
     only: see cache.KVQuantization). sharding ("tensor" or "pipeline"): the target split over
     the processes mlx.launch started (distributed.py): rank 0 gets the engine; on the other
     ranks load serves rank 0's passes and ends the process when rank 0 is done (or gone).
-    The sampling settings are the engine's defaults, which each generate call may override."""
+    The sampling settings are the engine's defaults, which each generate call may override.
+    draft="auto" (auto.py): the model's MTP module, else a drafter published for it, else
+    suffix; confirm(question) -> bool may allow a drafter's download (download_drafter=True
+    allows it without asking)."""
+    from .auto import SPLIT_REFUSED, auto_engine
     from .cache import is_bounded
     from .config import EngineConfig, build_engine
     from .models.target import load_target
@@ -68,13 +88,19 @@ def load(path_or_hf_repo: Optional[str] = None, **settings):
     config = replace(config, draft=replace(draft, draft_model=draft_model_path(draft.draft, draft.draft_model)))
     path = model_path(config.model.path_or_hf_repo, config.model.revision)
     if config.split.sharding:
-        return _load_split(path, config)
+        if config.draft.draft == "auto":
+            raise MlxSpecError(SPLIT_REFUSED)
+        return Loaded(*_load_split(path, config), config.draft.draft)
     target = load_target(path, config.model.dtype)
-    engine = build_engine(target, config)
-    if config.cache.max_kv_size and not is_bounded(engine.cache):
+    if config.draft.draft == "auto":
+        engine, choice = auto_engine(target, config, confirm)
+        loaded = Loaded(engine, target.tokenizer, choice.draft, choice.why)
+    else:
+        loaded = Loaded(build_engine(target, config), target.tokenizer, config.draft.draft)
+    if config.cache.max_kv_size and not is_bounded(loaded.engine.cache):
         print(f"mlx-spec: --max-kv-size: this {target.model_type} model builds its own cache, which mlx-lm "
               "does not bound either", file=sys.stderr)
-    return engine, target.tokenizer
+    return loaded
 
 
 def _load_split(path, config):

@@ -39,10 +39,14 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class DraftConfig:
-    draft: str = setting("lookup", f"Source of drafts: {'|'.join(DRAFTERS)}.")
+    draft: str = setting("lookup", f"Source of drafts: auto|{'|'.join(DRAFTERS)}. auto: the model's MTP module, "
+                                   "else a drafter published for it (`mlx-spec drafters`), else suffix.")
     draft_model: Optional[str] = setting(
         None, "Drafter checkpoint or draft model: a directory or a Hugging Face repo id "
               f"({sources_reading('draft_model').replace('|', ', ')}).")
+    download_drafter: bool = setting(False, "--draft auto: download the drafter published for the model when it "
+                                            "is not in the Hugging Face cache, without asking.", flag="--yes",
+                                     show_default=False)
     num_draft_tokens: Optional[int] = setting(
         None, "Most drafts per step (default per method: " + ", ".join(
             f"{m} {s.default_draft_tokens}" for m, s in DRAFTERS.items() if s.default_draft_tokens) + ").",

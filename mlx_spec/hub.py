@@ -55,3 +55,15 @@ def resolve(name, revision: Optional[str] = None, what: str = "model") -> Path:
                            "or give a local directory") from None
     except OSError as e:  # network and disk errors
         raise MlxSpecError(f"cannot fetch {what} {name}{at}: {str(e).splitlines()[0] if str(e) else e}") from None
+
+
+def cached(repo_id: str) -> Optional[Path]:
+    """The directory of `repo_id` in the Hugging Face cache, None where it is not there (nothing
+    is fetched)."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=ALLOW_PATTERNS, local_files_only=True))
+    except (LocalEntryNotFoundError, OSError, ValueError):
+        return None

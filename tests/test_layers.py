@@ -10,7 +10,7 @@ LAYERS = [
     {"errors", "events"},
     {"hub", "sampling", "cost", "cache", "verify", "logprobs", "tree", "models", "suffix_memory"},
     {"drafters"},
-    {"policy", "engine", "batch", "distributed", "config"},
+    {"policy", "engine", "batch", "distributed", "config", "auto"},
     {"convert", "train", "bench", "bench_suite"},
     {"api"},
     {"server"},

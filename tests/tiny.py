@@ -78,7 +78,7 @@ def tiny_chat_model_dir(path, seed=0, **config):
 
     from mlx_spec.convert.default import default_model_path
 
-    config = tiny_config(vocab_size=49152, hidden_size=64, context=2048, **config)
+    config = tiny_config(**{"vocab_size": 49152, "hidden_size": 64, "context": 2048, **config})
     path = save_model(tiny_model(config, seed=seed, scale=4.0), config, path)
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         shutil.copy(default_model_path() / name, path / name)

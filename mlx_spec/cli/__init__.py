@@ -8,6 +8,7 @@ from .. import __version__
 from .bench import bench
 from .chat import chat
 from .convert import convert
+from .drafters import drafters
 from .generate import generate
 from .serve import serve
 from .train import train
@@ -35,5 +36,5 @@ def main():
     """Lossless speculative decoding on MLX."""
 
 
-for command in (generate, chat, serve, convert, bench, train):
+for command in (generate, chat, serve, convert, bench, train, drafters):
     main.add_command(command)

@@ -11,7 +11,7 @@ from .common import GroupedCommand, config_options, echo_err, reports_errors
 @click.option("--prompts", default=None, help="JSONL: {\"prompt\"} or {\"question_id\", \"category\", \"turns\"}.")
 @click.option("--category", "categories", multiple=True, help="Only these categories (repeatable).")
 @click.option("--methods", default="none,lookup", show_default=True,
-              help=f"Comma-separated draft methods: {', '.join(DRAFTERS)}.")
+              help=f"Comma-separated draft methods: auto, {', '.join(DRAFTERS)}.")
 @click.option("--draft-model", "draft_models", multiple=True,
               help="METHOD=PATH (or PATH for every method that needs one; a directory or a repo id); "
                    "repeatable.")
@@ -91,8 +91,16 @@ def bench(prompts, categories, methods, draft_models, max_tokens, repeats, concu
     memory = None if memory_path == "off" else SuffixMemory(
         Path(memory_path).expanduser() if memory_path else default_path(target), vocabulary_hash(target.tokenizer),
         learn_now=False)
-    engines = {name: build_engine(target, method_config(config, name, draft_model_path(name, paths.get(name)),
-                                                        memory, seed), split)
+    sources = {name: name for name in names}   # what each method runs: auto's choice for auto
+    if "auto" in names:
+        from ..auto import SOURCE_OPTIONS, choose
+
+        choice = choose(target, config.with_draft("auto", **{option: None for option in SOURCE_OPTIONS}))
+        sources["auto"], paths["auto"] = choice.draft, choice.draft_model
+        echo_err(f"bench: --draft auto runs {choice.draft} ({choice.why})")
+    engines = {name: build_engine(target, method_config(config, sources[name],
+                                                        draft_model_path(sources[name], paths.get(name)), memory,
+                                                        seed), split)
                for name in names}
 
     total = repeats * len(engines) * (len(items) if concurrency else sum(len(item["turns"]) for item in items))
@@ -109,7 +117,7 @@ def bench(prompts, categories, methods, draft_models, max_tokens, repeats, concu
     if memory is not None:
         memory.save()
     rows = harness.summarize(records)
-    meta = harness.machine_info(target, {name: drafter_used(name, target, paths.get(name)) for name in names})
+    meta = harness.machine_info(target, {name: drafter_used(sources[name], target, paths.get(name)) for name in names})
     meta.update(config.flat())
     meta.update(max_tokens=max_tokens, repeats=repeats, concurrency=concurrency or None,
                 ranks=split.channel.group.size() if split else None, seed=seed,

@@ -7,7 +7,7 @@ import click
 from ..api import stats_line
 from ..errors import MlxSpecError, RanksLost
 from ..events import Collector
-from .common import GroupedCommand, echo_err, load_engine, model_label, config_options, reports_errors, stream
+from .common import GroupedCommand, draft_label, echo_err, load_engine, model_label, config_options, reports_errors, stream
 
 COMMANDS = {
     "/help": "list these commands",
@@ -72,7 +72,8 @@ class CtrlC:
 @reports_errors
 def chat(max_tokens, system, **options):
     """Chat in the terminal, with line editing; the cache is kept across turns."""
-    engine = load_engine(options)
+    loaded = load_engine(options)
+    engine = loaded.engine
     tokenizer = engine.target.tokenizer
     limit = engine.target.context_length
     start = [{"role": "system", "content": system}] if system else []
@@ -85,7 +86,7 @@ def chat(max_tokens, system, **options):
     messages = list(start)
     line_editing()
     adaptive = "adaptive" if options["adaptive"] else f"{engine.num_draft_tokens} drafts per step"
-    echo_err(f"mlx-spec chat: {model_label(options['path_or_hf_repo'])}, --draft {options['draft']}"
+    echo_err(f"mlx-spec chat: {model_label(options['path_or_hf_repo'])}, {draft_label(loaded)}"
              + (f" ({adaptive})" if engine.speculative else "")
              + (f", temperature {options['temp']}" if options["temp"] else ""))
     echo_err(GREETING)

@@ -90,10 +90,19 @@ def reports_errors(f):
 
 
 def load_engine(options: dict, sessions: bool = False):
-    """The engine of config_options' values (api.load's keywords)."""
-    from ..api import load
+    """The api.Loaded of config_options' values (api.load's keywords): the engine, and the
+    source --draft auto chose. At a terminal, auto asks before it downloads a drafter."""
+    from ..api import load_model
 
-    return load(**options, sessions=sessions)[0]
+    interactive = sys.stdin.isatty() and sys.stderr.isatty()
+    return load_model(**options, sessions=sessions,
+                      confirm=(lambda question: click.confirm(question, err=True)) if interactive else None)
+
+
+def draft_label(loaded) -> str:
+    """--draft as the banners say it (of an api.Loaded): the source, and what --draft auto chose
+    and why."""
+    return f"--draft auto: {loaded.draft} ({loaded.why})" if loaded.why else f"--draft {loaded.draft}"
 
 
 def model_label(model_path) -> str:

@@ -5,7 +5,7 @@ import click
 
 from ..api import stats_line
 from ..engine import UNKNOWN_TOKEN
-from .common import GroupedCommand, echo_err, load_engine, config_options, reports_errors, stream
+from .common import GroupedCommand, draft_label, echo_err, load_engine, config_options, reports_errors, stream
 
 
 def encode_prompt(tokenizer, prompt: str, system, use_chat_template: bool, after_cache: bool = False):
@@ -39,8 +39,8 @@ def open_prompt_cache(path, options: dict):
             Path(given).exists() and Path(made_by).exists() and Path(given).resolve() == Path(made_by).resolve()):
         raise MlxSpecError(f"the prompt cache file {path} was made with the model {made_by}, not {given}: "
                            "omit --model or give that one")
-    engine = load_engine(options)
-    return engine, engine.resume(read_prompt_cache(path, engine.target.model, engine.target.model_type))
+    loaded = load_engine(options)
+    return loaded, loaded.engine.resume(read_prompt_cache(path, loaded.engine.target.model, loaded.engine.target.model_type))
 
 
 @click.command("generate", cls=GroupedCommand, short_help="Stream a reply to one prompt, then its statistics.")
@@ -74,15 +74,19 @@ def generate(prompt_arg, prompt_opt, max_tokens, system, no_chat_template, as_js
         raise click.UsageError("--prompt-cache-file holds the whole model's cache, not a rank's shard: it does "
                                "not run with --sharding")
     if prompt_cache_file:
-        engine, cached = open_prompt_cache(prompt_cache_file, options)
+        loaded, cached = open_prompt_cache(prompt_cache_file, options)
     else:
-        engine, cached = load_engine(options), 0
+        loaded, cached = load_engine(options), 0
+    engine = loaded.engine
+    if loaded.why and not as_json:
+        echo_err(f"mlx-spec: {draft_label(loaded)}")
     tokens = [UNKNOWN_TOKEN] * cached + encode_prompt(engine.target.tokenizer, prompt, system, not no_chat_template,
                                                       after_cache=bool(cached))
     events = engine.generate(tokens, max_tokens=max_tokens)
     if as_json:
         collected = stream(events, out=None)
-        click.echo(json.dumps({"text": collected.text, "tokens": collected.tokens,
+        chosen = {"draft": loaded.draft, "draft_why": loaded.why} if loaded.why else {}   # what --draft auto chose
+        click.echo(json.dumps({"text": collected.text, "tokens": collected.tokens, **chosen,
                                "stats": collected.stats.as_dict()}))
     else:
         stats = stream(events).stats

@@ -4,7 +4,7 @@ import socket
 
 import click
 
-from .common import GroupedCommand, echo_err, load_engine, model_label, config_options, reports_errors
+from .common import GroupedCommand, draft_label, echo_err, load_engine, model_label, config_options, reports_errors
 
 
 def _interrupt(signum, frame):
@@ -74,7 +74,7 @@ def serve(host, port, max_tokens, api_key, prompt_cache_size, prompt_cache_bytes
     origins = [o.strip() for o in allowed_origins.split(",") if o.strip()]
     name = model_label(options["path_or_hf_repo"])
     try:
-        server = Server((host, port), lambda: load_engine(options, sessions=not split), name, options["draft"],
+        server = Server((host, port), lambda: load_engine(options, sessions=not split), name,
                         max_tokens=max_tokens, allowed_origins=origins, chat_template_args=template_args,
                         api_key=api_key, max_body_bytes=max_body_bytes, max_sessions=prompt_cache_size,
                         max_cache_bytes=prompt_cache_bytes, max_batch=max_batch, backlog=backlog,
@@ -84,7 +84,7 @@ def serve(host, port, max_tokens, api_key, prompt_cache_size, prompt_cache_bytes
     except OSError as e:
         raise click.ClickException(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
     bound_host, bound_port = server.server_address[:2]
-    echo_err(f"mlx-spec serve: {name} (--draft {options['draft']}) on http://{bound_host}:{bound_port}/v1"
+    echo_err(f"mlx-spec serve: {name} ({draft_label(server.loaded)}) on http://{bound_host}:{bound_port}/v1"
              f"{' (API key required)' if api_key else ''}; Ctrl-C stops")
     signal.signal(signal.SIGTERM, _interrupt)
     try:

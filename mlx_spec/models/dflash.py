@@ -46,6 +46,7 @@ class ModelArgs(BaseModelArgs):
     target_layer_ids: Optional[List[int]] = None   # None: spread over the target (see load_dflash)
     layer_types: Optional[List[str]] = None
     sliding_window: Optional[int] = None
+    num_target_layers: Optional[int] = None   # the layers of the target it was trained on (z-lab's configs)
 
     def __post_init__(self):
         if self.head_dim is None:
@@ -196,6 +197,9 @@ def _check(args: ModelArgs, target) -> None:
                            f"{args.num_hidden_layers} layers")
     if "sliding_attention" in (args.layer_types or []) and not args.sliding_window:
         raise MlxSpecError("DFlash config.json has sliding_attention layers but no sliding_window")
+    if args.num_target_layers is not None and args.num_target_layers != target.num_layers:
+        raise MlxSpecError(f"this DFlash drafter was trained on a target of {args.num_target_layers} layers; "
+                           f"this one has {target.num_layers}")
     if args.hidden_size != target.hidden_size:
         raise MlxSpecError(f"DFlash drafter hidden size {args.hidden_size} does not match the "
                            f"target's {target.hidden_size}")

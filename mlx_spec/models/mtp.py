@@ -289,6 +289,16 @@ def has_mtp_weights(path, num_hidden_layers: int) -> bool:
         return False
 
 
+def own_mtp_module(target) -> Optional[Path]:
+    """The directory holding the target's own MTP module: the sidecar next to a converted model,
+    or the target's directory (an original checkpoint); None where it has none."""
+    if target.path:
+        for candidate in (Path(target.path) / SIDECAR, Path(target.path)):
+            if (candidate / "config.json").is_file() and has_mtp_weights(candidate, target.num_layers):
+                return candidate
+    return None
+
+
 def find_mtp(target, draft_model=None) -> Path:
     """Where --draft mtp reads the module from: --draft-model, else the sidecar next to a
     converted model, else the target's own directory (an original Hugging Face checkpoint),
@@ -297,10 +307,9 @@ def find_mtp(target, draft_model=None) -> Path:
 
     if draft_model:
         return Path(draft_model)
-    if target.path:
-        for candidate in (Path(target.path) / SIDECAR, Path(target.path)):
-            if (candidate / "config.json").is_file() and has_mtp_weights(candidate, target.num_layers):
-                return candidate
+    own = own_mtp_module(target)
+    if own is not None:
+        return own
     shipped = shipped_drafter("mtp", target.path)
     if shipped:
         return shipped

@@ -76,12 +76,13 @@ class Worker(threading.Thread):
         self.fatal: Optional[RanksLost] = None   # the server cannot go on
 
     def start_engine(self):
-        """Start the thread and wait for the engine; its loading error, if any, is raised here."""
+        """Start the thread and wait for the engine (an api.Loaded); its loading error, if any,
+        is raised here."""
         self.start()
         self.loaded.wait()
         if self.load_error is not None:
             raise self.load_error
-        return self.engine
+        return self.loaded_model
 
     def run(self):
         try:
@@ -91,7 +92,8 @@ class Worker(threading.Thread):
 
     def _run(self):
         try:
-            self.engine = self.load()
+            self.loaded_model = self.load()
+            self.engine = self.loaded_model.engine
         except MlxSpecError as e:
             self.load_error = e
         except Exception as e:
@@ -262,12 +264,13 @@ class Server(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
 
-    def __init__(self, address, load, model_name: str, method: str, max_tokens: int = 512,
+    def __init__(self, address, load, model_name: str, max_tokens: int = 512,
                  api_key: Optional[str] = None, max_body_bytes: int = 1 << 20, max_sessions: int = 10,
                  max_cache_bytes: int = 1 << 30, max_batch: int = 1, backlog: int = socket.SOMAXCONN,
                  max_queued: int = 256, allowed_origins: Sequence[str] = (), chat_template_args: Optional[dict] = None,
                  prompt_cache_dir: Optional[str] = None, prompt_cache_disk_bytes: int = DEFAULT_DISK_BYTES, log=None):
-        """load: () -> Engine, called on the worker thread (errors raised here, before serving).
+        """load: () -> api.Loaded (the engine and the source it runs), called on the worker
+        thread (errors raised here, before serving).
         backlog: connections the kernel holds before they are accepted (socketserver's default
         of 5 resets a burst of parallel requests); max_queued: requests waiting for the engine
         past which a request gets a 503 with Retry-After instead of waiting; prompt_cache_dir:
@@ -278,7 +281,7 @@ class Server(ThreadingHTTPServer):
         super().__init__(address, Handler)
         # One model is served whatever name a request gives (as llama.cpp's server does: apps
         # with a fixed model name work); replies name the served one.
-        self.model_name, self.method = model_name, method
+        self.model_name = model_name
         self.max_tokens, self.api_key, self.max_body_bytes = max_tokens, api_key, max_body_bytes
         self.allowed_origins = set(allowed_origins)   # CORS: browser pages of these origins ("*": any)
         self.chat_template_args = dict(chat_template_args or {})
@@ -286,10 +289,11 @@ class Server(ThreadingHTTPServer):
         self.worker = Worker(load, max_sessions, max_cache_bytes, self.log, max_batch, prompt_cache_dir,
                              prompt_cache_disk_bytes)
         try:
-            self.engine = self.worker.start_engine()
+            loaded = self.worker.start_engine()
         except BaseException:
             self.server_close()
             raise
+        self.loaded, self.engine = loaded, loaded.engine   # loaded.draft: the source served (what auto chose)
         self.tokenizer, self.sessions = self.worker.tokenizer, self.worker.sessions
         self.machine, self.token_text = text_machine(self.tokenizer), token_texts(self.tokenizer)
 
@@ -451,7 +455,7 @@ class Handler(BaseHTTPRequestHandler):
 
     def _health(self) -> None:
         sessions = self.server.sessions
-        self._send_json(200, {"status": "ok", "model": self.server.model_name, "draft": self.server.method,
+        self._send_json(200, {"status": "ok", "model": self.server.model_name, "draft": self.server.loaded.draft,
                               "queued": self.server.worker.jobs.qsize(),
                               "prompt_cache": {"sessions": len(sessions.stored), "bytes": sessions.nbytes,
                                                "max_bytes": sessions.max_bytes,
@@ -541,7 +545,7 @@ class Handler(BaseHTTPRequestHandler):
                 None, job.options.prediction, tokens, autojunk=False).get_matching_blocks())
             prediction = {"accepted_prediction_tokens": matched,
                           "rejected_prediction_tokens": len(job.options.prediction) - matched}
-        return usage(stats, self.server.method, self._sampled(job), prediction)
+        return usage(stats, self.server.loaded.draft, self._sampled(job), prediction)
 
     def _events(self, job: Job, keep_alive=None):
         """The job's events, until its end; stops early (cancelling it) if the client leaves.
