@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup chat test test-all clean
+.PHONY: setup chat test test-all lint clean
 
 setup: $(VENV)/.ready
 
@@ -26,6 +26,11 @@ chat: setup
 # The default suite leaves out the end-to-end checks marked slow (CI runs this one, ~24 min here).
 test: setup
 	$(BIN)/python -m pytest -q -n 2 -m "not slow"
+
+# ruff (pyproject.toml: pyflakes, isort, bugbear; the formatter), as CI runs it before the tests
+lint: setup
+	$(BIN)/ruff check mlx_spec tests benchmarks scripts
+	$(BIN)/ruff format --check mlx_spec tests benchmarks scripts
 
 test-all: setup
 	$(BIN)/python -m pytest -q -n 2

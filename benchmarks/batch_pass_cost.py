@@ -17,6 +17,8 @@ import time
 from pathlib import Path
 
 import mlx_spec  # noqa: F401  (OpenBLAS before mlx.core)
+
+# isort: split
 import mlx.core as mx
 import numpy as np
 

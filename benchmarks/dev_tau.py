@@ -15,6 +15,8 @@ import json
 
 import mlx_spec  # noqa: F401  (loads OpenBLAS before mlx.core does any work)
 
+# isort: split
+
 from mlx_spec.api import model_path
 from mlx_spec.drafters import make_drafter
 from mlx_spec.models.target import load_target

@@ -17,15 +17,17 @@ import time
 
 import mlx_spec  # noqa: F401  (loads OpenBLAS before mlx.core does any work)
 
+# isort: split
+
 import mlx.core as mx
 import numpy as np
 
 from mlx_spec import engine as engine_module
 from mlx_spec.cache import make_cache, rollback_to
+from mlx_spec.convert.default import default_model_path
 from mlx_spec.drafters.dflash import DFlashDrafter
 from mlx_spec.engine import Engine
 from mlx_spec.events import Step
-from mlx_spec.convert.default import default_model_path
 from mlx_spec.models.dflash import DFlashModel, ModelArgs, spread_layer_ids
 from mlx_spec.models.target import load_target
 from mlx_spec.sampling import Sampler, SamplingParams

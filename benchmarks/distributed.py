@@ -16,6 +16,8 @@ others distributed.Follower. Rank 0 prints the table and writes --out."""
 
 import mlx_spec  # noqa: F401  (first: it loads OpenBLAS before mlx.core does any work)
 
+# isort: split
+
 import argparse
 import json
 import statistics
@@ -26,9 +28,9 @@ import mlx.core as mx
 
 from mlx_spec.api import model_path
 from mlx_spec.bench import baseline_sampler, baseline_steps, load_prompts, method_steps
-from mlx_spec.events import Collector
 from mlx_spec.distributed import STOP, Follower, SplitTarget
 from mlx_spec.drafters import draft_tokens, make_drafter, source_options
+from mlx_spec.events import Collector
 from mlx_spec.sampling import SamplingParams
 
 HERE = Path(__file__).parent

@@ -13,14 +13,16 @@ import tempfile
 from pathlib import Path
 
 import mlx_spec  # noqa: F401  (OpenBLAS before mlx.core)
+
+# isort: split
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_map
 from mlx_lm.utils import _get_classes
 
+from mlx_spec.convert.default import default_model_path
 from mlx_spec.drafters.draft_model import DraftModelDrafter, check_same_vocabulary
 from mlx_spec.engine import Engine
 from mlx_spec.events import Collector
-from mlx_spec.convert.default import default_model_path
 from mlx_spec.models.target import load_target
 from mlx_spec.sampling import SamplingParams
 

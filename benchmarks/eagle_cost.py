@@ -13,13 +13,15 @@ import time
 
 import mlx_spec  # noqa: F401  (loads OpenBLAS before mlx.core does any work)
 
+# isort: split
+
 import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_map
 
 from mlx_spec.cache import make_cache, rollback_to
-from mlx_spec.drafters.eagle import EagleDrafter
 from mlx_spec.convert.default import default_model_path
+from mlx_spec.drafters.eagle import EagleDrafter
 from mlx_spec.models.eagle3 import Model, ModelArgs, default_layer_ids
 from mlx_spec.models.target import load_target
 from mlx_spec.sampling import Sampler, SamplingParams

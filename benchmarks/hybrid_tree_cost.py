@@ -20,11 +20,13 @@ import time
 
 import mlx_spec  # noqa: F401  (loads OpenBLAS before mlx.core does any work)
 
+# isort: split
+
 import mlx.core as mx
-from recurrent_rollback import CONFIG, setup
 
 from mlx_spec.cache import Replay, rollback_to
 from mlx_spec.tree import Tree, compact, tree_forward
+from recurrent_rollback import CONFIG, setup
 
 
 def balanced_parents(nodes: int, depth: int):

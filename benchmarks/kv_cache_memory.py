@@ -16,6 +16,8 @@ import json
 
 import mlx_spec  # noqa: F401  (loads OpenBLAS before mlx.core does any work)
 
+# isort: split
+
 import mlx.core as mx
 from mlx_lm.generate import generate_step
 

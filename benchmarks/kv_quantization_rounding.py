@@ -13,11 +13,13 @@ the quantization, and grows through the layers above."""
 
 import mlx_spec  # noqa: F401  (loads OpenBLAS before mlx.core does any work)
 
+# isort: split
+
 import mlx.core as mx
 import numpy as np
-from kv_cache_memory import setup
 from mlx_lm.generate import generate_step, maybe_quantize_kv_cache
 
+from kv_cache_memory import setup
 from mlx_spec.cache import make_cache
 
 

@@ -13,10 +13,10 @@ import argparse
 import json
 from pathlib import Path
 
+from mlx_spec.convert.default import default_model_path
 from mlx_spec.drafters.layerskip import LayerSkipDrafter
 from mlx_spec.engine import Engine
 from mlx_spec.events import Step
-from mlx_spec.convert.default import default_model_path
 from mlx_spec.models.target import load_target
 
 PROMPTS = Path(__file__).resolve().parent / "heldout_prompts.jsonl"

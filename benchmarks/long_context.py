@@ -32,7 +32,10 @@ import time
 from pathlib import Path
 
 import mlx_spec  # noqa: F401  (OpenBLAS before mlx.core)
+
+# isort: split
 import mlx.core as mx
+
 from mlx_spec.bench import baseline_steps
 from mlx_spec.convert.default import default_model_path
 from mlx_spec.drafters import make_drafter
@@ -144,7 +147,7 @@ def main():
         for module, task, prompt in prompts:
             cache, seconds = prefilled_mlx_lm(target, prompt)
             sessions = {}   # the drafters' tap layers -> the prompt's session
-            for name, engine in engines.items():
+            for engine in engines.values():
                 key = tuple(sorted(engine.drafter.taps))
                 if key not in sessions:
                     engine.reset()

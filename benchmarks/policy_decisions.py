@@ -12,7 +12,7 @@ import json
 import sys
 from pathlib import Path
 
-from mlx_spec import engine as engine_module   # the package loads OpenBLAS before mlx.core
+from mlx_spec import engine as engine_module  # the package loads OpenBLAS before mlx.core
 from mlx_spec.api import load
 from mlx_spec.events import Collector
 

@@ -19,6 +19,8 @@ import statistics
 from pathlib import Path
 
 import mlx_spec  # noqa: F401  (OpenBLAS before mlx.core)
+
+# isort: split
 from mlx_spec.bench import baseline_steps, method_steps, timed_in_turns
 from mlx_spec.convert.default import default_model_path
 from mlx_spec.drafters import make_drafter

@@ -28,11 +28,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import mlx_spec  # noqa: E402,F401  (OpenBLAS before mlx.core)
-from long_context import QUESTION, cut, source_text  # noqa: E402
-from serve_load import MLX_SPEC, ServerProcess, stream_chat  # noqa: E402
 
+# isort: split
+from long_context import QUESTION, cut, source_text  # noqa: E402
 from mlx_spec.convert.default import default_model_path  # noqa: E402
 from mlx_spec.models.target import load_target  # noqa: E402
+from serve_load import MLX_SPEC, ServerProcess, stream_chat  # noqa: E402
 
 
 def server(model_dir, draft, cache_dir):

@@ -15,13 +15,13 @@ import json
 import tempfile
 from pathlib import Path
 
+from mlx_spec.convert.default import default_model_path
 from mlx_spec.convert.drafter import convert_drafter, load_drafter
 from mlx_spec.drafters.base import Drafter
 from mlx_spec.drafters.dflash import DFlashDrafter
 from mlx_spec.drafters.eagle import EagleDrafter
 from mlx_spec.engine import Engine
 from mlx_spec.events import Done
-from mlx_spec.convert.default import default_model_path
 from mlx_spec.models.default import SHIPPED_DRAFTERS
 from mlx_spec.models.target import load_target
 

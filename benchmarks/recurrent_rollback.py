@@ -20,6 +20,8 @@ import time
 
 import mlx_spec  # noqa: F401  (loads OpenBLAS before mlx.core does any work)
 
+# isort: split
+
 import mlx.core as mx
 from mlx.utils import tree_map
 

@@ -11,10 +11,12 @@ import json
 from pathlib import Path
 
 import mlx_spec  # noqa: F401  (loads OpenBLAS before mlx.core)
+
+# isort: split
+from mlx_spec.convert.default import default_model_path
 from mlx_spec.drafters import draft_tokens, make_drafter
 from mlx_spec.engine import Engine
 from mlx_spec.events import Collector
-from mlx_spec.convert.default import default_model_path
 from mlx_spec.models.target import load_target
 from mlx_spec.sampling import SamplingParams
 

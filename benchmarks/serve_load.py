@@ -373,7 +373,7 @@ def main():
     configs = args.configs.split(",")
     signal.signal(signal.SIGTERM, interrupt)   # a SIGTERM here stops the servers too, as Ctrl-C does
 
-    from mlx_spec.convert.default import default_model_path   # after argparse: --help stays quick
+    from mlx_spec.convert.default import default_model_path  # after argparse: --help stays quick
     model_dir = default_model_path(dtype="float32").resolve()
     prompts, categories = zip(*load_prompts(args.limit))
     runs = {}

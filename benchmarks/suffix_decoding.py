@@ -26,8 +26,9 @@ WORKLOADS = Path(__file__).resolve().parent / "workloads"
 def rapid_mlx_drafter():
     """Rapid-MLX's drafter as an mlx-spec Drafter (a chain; its truncation at min_confidence
     decides the length). ImportError where rapid-mlx is not installed."""
-    from mlx_spec.drafters.base import Draft, Drafter
     from rapid_mlx.speculative.suffix_decoding import SuffixDecodingDrafter
+
+    from mlx_spec.drafters.base import Draft, Drafter
 
     class Peer(Drafter):
         def prefill(self, context, taps, start):

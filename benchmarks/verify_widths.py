@@ -14,9 +14,11 @@ import argparse
 
 import mlx_spec  # noqa: F401  (loads OpenBLAS before mlx.core does any work)
 
-import mlx.core as mx
-from eagle_cost import interleaved_medians
+# isort: split
 
+import mlx.core as mx
+
+from eagle_cost import interleaved_medians
 from mlx_spec.cache import make_cache, rollback_to
 from mlx_spec.convert.default import default_model_path
 from mlx_spec.models.target import load_target

@@ -17,6 +17,8 @@ shape (rejections at every length).
 
 import mlx_spec  # noqa: F401  (OpenBLAS before mlx.core)
 
+# isort: split
+
 import mlx.core as mx
 from mlx.utils import tree_map
 
@@ -74,7 +76,7 @@ def main():
             for name, drafter in (("lookup", LookupDrafter()), ("draft model", DraftModelDrafter(tiny(config, 4), 32))):
                 engine = Counting(target, drafter, num_draft_tokens=4, adaptive=False)
                 context, steps, rollbacks = list(prompt), 0, 0
-                for turn in range(3):
+                for _turn in range(3):
                     output = []
                     for event in engine.generate(context, max_tokens=200):
                         if isinstance(event, Step):

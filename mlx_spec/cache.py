@@ -14,9 +14,16 @@ from pathlib import Path
 from typing import Any, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
-
-from mlx_lm.models.cache import (ArraysCache, CacheList, ChunkedKVCache, KVCache, QuantizedKVCache,
-                                 RotatingKVCache, _BaseCache, make_prompt_cache)
+from mlx_lm.models.cache import (
+    ArraysCache,
+    CacheList,
+    ChunkedKVCache,
+    KVCache,
+    QuantizedKVCache,
+    RotatingKVCache,
+    _BaseCache,
+    make_prompt_cache,
+)
 
 from .errors import MlxSpecError
 

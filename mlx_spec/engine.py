@@ -20,8 +20,20 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 
 import mlx.core as mx
 
-from .cache import (QUANTIZED_SPECULATION, KVQuantization, Replay, batchable, check_speculation, check_tree,
-                    common_prefix_length, is_quantized, is_recurrent, make_cache, rollback_to, verification)
+from .cache import (
+    QUANTIZED_SPECULATION,
+    KVQuantization,
+    Replay,
+    batchable,
+    check_speculation,
+    check_tree,
+    common_prefix_length,
+    is_quantized,
+    is_recurrent,
+    make_cache,
+    rollback_to,
+    verification,
+)
 from .drafters.base import Draft, Drafter, NoDrafter
 from .drafters.combined import Combined
 from .drafters.prediction import PredictionDrafter

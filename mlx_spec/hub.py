@@ -33,8 +33,12 @@ def resolve(name, revision: Optional[str] = None, what: str = "model") -> Path:
         raise MlxSpecError(f"{what} not found: {name} is neither a directory nor a Hugging Face repo "
                            "id (org/name)")
     from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import (GatedRepoError, LocalEntryNotFoundError, RepositoryNotFoundError,
-                                        RevisionNotFoundError)
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
 
     at = f" at revision {revision}" if revision else ""
     try:

@@ -11,6 +11,7 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
+
 from tiny import save_model, tiny_config, tiny_model
 
 TEMPLATE = (

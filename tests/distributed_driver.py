@@ -10,8 +10,8 @@ import sys
 from pathlib import Path
 
 import mlx_spec  # noqa: F401  (first: it loads OpenBLAS before mlx.core does any work)
-from tiny import run, tiny_config, tiny_model
 
+# isort: split
 import mlx.core as mx
 
 from mlx_spec.cache import KVQuantization
@@ -19,6 +19,7 @@ from mlx_spec.distributed import STOP, Channel, Follower, SplitEngine, Watchdog,
 from mlx_spec.errors import MlxSpecError
 from mlx_spec.models.target import Target
 from mlx_spec.sampling import SamplingParams
+from tiny import run, tiny_config, tiny_model
 
 PROMPT = [1, 5, 7, 9, 5, 7, 2, 3]
 TOKENS = 24
@@ -66,22 +67,20 @@ def mlx_lm_greedy(model, prompt, n, **cache_flags):
 
 def drafters(target, workdir, mtp_path):
     """name -> a function making the drafter (each case gets a fresh one)."""
-    from test_medusa import random_heads, write
-
     from mlx_spec.drafters.draft_model import DraftModelDrafter
     from mlx_spec.drafters.lookup import LookupDrafter
     from mlx_spec.drafters.medusa import MedusaDrafter
     from mlx_spec.models.medusa import load_medusa
+    from test_medusa import random_heads, write
 
     draft_model, draft_config = model_of("qwen3", seed=3, num_layers=1)
     draft = Target(draft_model, None, draft_config)
     cases = {"none": lambda: None, "lookup": LookupDrafter,
              "draft_model": lambda: DraftModelDrafter(draft, target.vocab_size)}
     sys.path.insert(0, str(Path(__file__).parent))
-    from test_windowed import random_feature_models
-
     from mlx_spec.drafters.dflash import DFlashDrafter
     from mlx_spec.drafters.eagle import EagleDrafter
+    from test_windowed import random_feature_models
 
     eagle, dflash = random_feature_models(target, Path(workdir))
     cases["eagle"] = lambda: EagleDrafter(eagle, target.vocab_size)

@@ -5,11 +5,11 @@ import subprocess
 import sys
 
 import pytest
-from tiny import plain_greedy, tiny_chat_model_dir
 
 import mlx_spec
 from mlx_spec import generate, load, stream_generate
 from mlx_spec.errors import MlxSpecError
+from tiny import plain_greedy, tiny_chat_model_dir
 
 
 @pytest.fixture(scope="module")

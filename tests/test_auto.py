@@ -7,17 +7,17 @@ import subprocess
 import sys
 
 import pytest
-from test_dflash import dflash_config, random_weights, write_dflash
-from test_eagle import random_eagle, save_eagle
-from test_hub import hub_cache
-from test_mtp import write_published
-from tiny import plain_greedy, run, tiny_chat_model_dir
 
 from mlx_spec.api import load_model
 from mlx_spec.auto import auto_engine, choose, model_names, published_for
 from mlx_spec.config import EngineConfig
 from mlx_spec.errors import MlxSpecError
 from mlx_spec.models.target import load_target
+from test_dflash import dflash_config, random_weights, write_dflash
+from test_eagle import random_eagle, save_eagle
+from test_hub import hub_cache
+from test_mtp import write_published
+from tiny import plain_greedy, run, tiny_chat_model_dir
 
 PROMPT = [1, 5, 7, 9, 11, 13, 2, 5, 7, 9, 11, 13, 2, 5, 7]
 AUTO = EngineConfig.of(draft="auto", suffix_memory="off")

@@ -2,14 +2,10 @@
 own tokens; sampled: the tokens of --draft none with the row's seed), whatever else shares its
 passes, whenever rows join and leave."""
 
-import mlx.core as mx
 import pytest
-from exactness import STRICT, VOCAB, exact_distribution, chi_square_pvalue, repeated_prompt
-from test_eagle import eagle_target, random_eagle
-from tiny import ScriptedDrafter, plain_greedy, run, tiny_target
 
+from exactness import STRICT, VOCAB, chi_square_pvalue, exact_distribution, repeated_prompt
 from mlx_spec.batch import BatchEngine
-from mlx_spec.drafters.base import Draft
 from mlx_spec.drafters.draft_model import DraftModelDrafter
 from mlx_spec.drafters.eagle import EagleDrafter
 from mlx_spec.drafters.lookup import LookupDrafter
@@ -17,6 +13,8 @@ from mlx_spec.engine import Engine
 from mlx_spec.errors import MlxSpecError
 from mlx_spec.events import Collector, Failed, Prefilling, Step, Token
 from mlx_spec.sampling import SamplingParams
+from test_eagle import eagle_target, random_eagle
+from tiny import ScriptedDrafter, plain_greedy, run, tiny_target
 
 PROMPTS = [
     [1, 5, 7, 9, 11, 13, 2, 5, 7, 9, 11, 13, 2, 5, 7],
@@ -217,7 +215,7 @@ def test_a_long_prompt_prefills_a_chunk_per_step_beside_decoding_rows(target, re
 def test_a_failing_row_fails_alone(target, references):
     batch = BatchEngine.spawned(Engine(target, LookupDrafter()), 2)
     good = batch.add(PROMPTS[0], max_tokens=10)
-    bad = batch.add(list(range(20)) * 60, max_tokens=10)   # past the tiny model's context of 1024
+    batch.add(list(range(20)) * 60, max_tokens=10)   # past the tiny model's context of 1024
     events = []
     while batch.rows:
         events += batch.step()
@@ -257,12 +255,11 @@ def test_tree_sources_batch_as_their_chains(target):
 def test_dflash_and_medusa_rows_match_mlx_lm(tmp_path):
     """The learned chain sources that read the target's features, a batch each, rows of
     different prompts."""
-    from test_dflash import random_dflash
-    from test_medusa import random_heads, write
-
     from mlx_spec.drafters.dflash import DFlashDrafter
     from mlx_spec.drafters.medusa import MedusaDrafter
     from mlx_spec.models.medusa import load_medusa
+    from test_dflash import random_dflash
+    from test_medusa import random_heads, write
 
     target = tiny_target("qwen3", num_layers=4)
     dflash, _, _ = random_dflash(tmp_path, target, seed=1)

@@ -3,11 +3,9 @@
 import json
 import subprocess
 import sys
-
 from dataclasses import replace
 
 import pytest
-from tiny import tiny_chat_model_dir
 
 from mlx_spec import bench
 from mlx_spec.drafters.lookup import LookupDrafter
@@ -15,6 +13,7 @@ from mlx_spec.engine import Engine, GenerationOptions
 from mlx_spec.events import Token
 from mlx_spec.models.target import load_target
 from mlx_spec.sampling import SamplingParams
+from tiny import tiny_chat_model_dir
 
 
 @pytest.fixture(scope="module")

@@ -11,9 +11,6 @@ import mlx.core as mx
 import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import QuantizedKVCache
-from test_mtp import write_published
-from test_windowed import WINDOWED
-from tiny import ScriptedDrafter, run, tiny_target
 
 from mlx_spec.cache import KVQuantization
 from mlx_spec.drafters.draft_model import DraftModelDrafter
@@ -23,6 +20,9 @@ from mlx_spec.engine import Engine
 from mlx_spec.errors import MlxSpecError
 from mlx_spec.models.mtp import load_mtp
 from mlx_spec.sampling import SamplingParams
+from test_mtp import write_published
+from test_windowed import WINDOWED
+from tiny import ScriptedDrafter, run, tiny_target
 
 KV = KVQuantization(bits=2, group_size=32, start=24)
 PROMPT = [1, 5, 7, 9, 11, 13, 2, 5, 7, 9, 11, 13, 2, 5]
@@ -94,9 +94,8 @@ def mlx_lm_bounded(model, prompt, max_tokens):
 
 def feature_drafter(source, target, tmp_path):
     """EAGLE-3 (a random layer) or DFlash (DDTree's block drafter, as a chain) on `target`."""
-    from test_windowed import random_feature_models
-
     from mlx_spec.drafters.dflash import DFlashDrafter
+    from test_windowed import random_feature_models
 
     eagle, dflash = random_feature_models(target, tmp_path)
     return EagleDrafter(eagle, target.vocab_size) if source == "eagle" else DFlashDrafter(target, dflash)
@@ -133,10 +132,9 @@ def test_a_bounded_conversation_and_seeded_sampling_equal_draft_none():
 def test_a_tree_pass_over_a_bounded_cache_equals_bounded_decoding_of_each_path():
     """Past the size: every node's logits are those of one-token decoding of its path over
     mlx-lm's bounded cache; after compaction the cache holds what that decoding holds."""
-    from test_tree import PARENTS
-
     from mlx_spec.cache import make_cache
     from mlx_spec.tree import Tree, compact, tree_forward
+    from test_tree import PARENTS
 
     target, tree = qwen3_target(), Tree(PARENTS)
     context = LONG_PROMPT[:30]            # past the window of 16

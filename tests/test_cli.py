@@ -11,8 +11,8 @@ import time
 from pathlib import Path
 
 import pytest
-from tiny import save_model, tiny_config, tiny_model
 
+from tiny import save_model, tiny_config, tiny_model
 
 
 def cli(args, **kwargs):

@@ -5,6 +5,7 @@ import json
 import shutil
 
 import pytest
+
 from test_cli import assert_one_line_error, cli
 from tiny import tiny_chat_model_dir
 
@@ -121,10 +122,10 @@ def test_bad_arguments_are_one_line(tmp_path, args, fragment):
 
 def drafts_of(drafter_dir, method, prompt="Count from one to ten.", n=24):
     """Every draft proposed while the default model answers, greedy, every draft verified."""
+    from mlx_spec.convert.default import default_model_path
     from mlx_spec.drafters import make_drafter
     from mlx_spec.engine import Engine
     from mlx_spec.events import Collector
-    from mlx_spec.convert.default import default_model_path
     from mlx_spec.models.target import load_target
 
     target = load_target(default_model_path(), "auto")

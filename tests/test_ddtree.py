@@ -5,14 +5,14 @@ import itertools
 
 import numpy as np
 import pytest
-from exactness import STRICT, VOCAB, repeated_prompt, sampling_pvalue
-from test_dflash import PROMPT, random_dflash
-from tiny import plain_greedy, run, tiny_target
 
+from exactness import STRICT, VOCAB, repeated_prompt, sampling_pvalue
 from mlx_spec.drafters.ddtree import DDTreeDrafter, best_tree
 from mlx_spec.engine import Engine
 from mlx_spec.sampling import SamplingParams
 from mlx_spec.tree import Tree
+from test_dflash import PROMPT, random_dflash
+from tiny import plain_greedy, run, tiny_target
 
 
 def expected_length(tokens, parents, marginals):

@@ -5,18 +5,18 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
-from tiny import renormalised, run
 
 from mlx_spec.bench_suite import SUITE
+from mlx_spec.convert.default import default_model_path
 from mlx_spec.drafters import draft_tokens, make_drafter
 from mlx_spec.drafters.lookup import LookupDrafter
 from mlx_spec.engine import Engine
-from mlx_spec.events import Collector
 from mlx_spec.errors import MlxSpecError
-from mlx_spec.convert.default import default_model_path
+from mlx_spec.events import Collector
 from mlx_spec.models.default import SHIPPED_DRAFTERS
 from mlx_spec.models.target import Target, load_target
 from mlx_spec.sampling import SamplingParams
+from tiny import renormalised, run
 
 MAX_TOKENS = 64
 # Tokens per step the shipped drafters must beat on a held-out arithmetic prompt at their
@@ -168,8 +168,7 @@ def test_the_default_model_is_recognised_by_what_it_is(target, tmp_path):
     """Another copy of the default model (another dtype, another directory, the hub cache) gets the
     shipped drafters: recognised by its architecture and its tokenizer's vocabulary, not where
     it was converted; another model is told where they are, in the CLI's and Python's words."""
-    from mlx_spec.models.default import (DEFAULT_VOCABULARY_HASH, is_default_model,
-                                         tokenizer_vocabulary_hash)
+    from mlx_spec.models.default import DEFAULT_VOCABULARY_HASH, is_default_model, tokenizer_vocabulary_hash
 
     assert tokenizer_vocabulary_hash(default_model_path()) == DEFAULT_VOCABULARY_HASH
     assert is_default_model(default_copy(tmp_path / "copy"))

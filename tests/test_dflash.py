@@ -5,12 +5,13 @@ import json
 
 import mlx_spec  # noqa: F401  (first: it loads OpenBLAS only if mlx.core is not imported yet)
 
+# isort: split
+
 import mlx.core as mx
 import numpy as np
 import pytest
-from exactness import STRICT, VOCAB, repeated_prompt, sampling_pvalue
-from tiny import plain_greedy, run, tiny_target
 
+from exactness import STRICT, VOCAB, repeated_prompt, sampling_pvalue
 from mlx_spec.cache import rollback_to
 from mlx_spec.drafters import make_drafter
 from mlx_spec.drafters.dflash import DFlashDrafter
@@ -18,6 +19,7 @@ from mlx_spec.engine import Engine
 from mlx_spec.errors import MlxSpecError
 from mlx_spec.models.dflash import load_dflash, spread_layer_ids
 from mlx_spec.sampling import SamplingParams
+from tiny import plain_greedy, run, tiny_target
 
 PROMPT = [1, 5, 7, 9, 11, 13, 2, 5, 7, 9, 11, 13, 2, 5, 7]
 

@@ -7,10 +7,10 @@ entries are passed over with a warning; two servers share one directory."""
 import json
 
 import pytest
-from test_server import ServerProcess
 
 from mlx_spec.convert.default import default_model_path
 from mlx_spec.models.target import load_target
+from test_server import ServerProcess
 
 SYSTEM = ("You are a careful assistant for a team that keeps a small library of Python tools. Answer in "
           "plain words, give short examples where they help, and say when you are unsure. The team "

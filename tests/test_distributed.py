@@ -67,7 +67,6 @@ def test_split_target_decodes_exactly(arch, sharding, tmp_path):
     process. Under pipeline stages rank 0 holds the last layers: EAGLE-3 and DFlash read the
     first ones, which rank 1 sends it after each pass."""
     import distributed_driver as driver
-
     from mlx_spec.engine import Engine
     from mlx_spec.models.target import Target
     from mlx_spec.sampling import SamplingParams
@@ -97,10 +96,9 @@ def test_split_target_decodes_exactly(arch, sharding, tmp_path):
     assert not result["refused"]
     # The feature drafters read the same features as in one process (under pipeline stages,
     # sent by rank 1): they draft the same tokens.
-    from test_windowed import random_feature_models
-
     from mlx_spec.drafters.dflash import DFlashDrafter
     from mlx_spec.drafters.eagle import EagleDrafter
+    from test_windowed import random_feature_models
 
     eagle, dflash = random_feature_models(alone, tmp_path / "alone")
     for name, drafter in (("eagle", EagleDrafter(eagle, alone.vocab_size)), ("dflash", DFlashDrafter(alone, dflash))):

@@ -5,10 +5,9 @@ import json
 import mlx.core as mx
 import numpy as np
 import pytest
-from exactness import STRICT, VOCAB, repeated_prompt, sampling_pvalue
 from mlx.utils import tree_flatten, tree_map
-from tiny import plain_greedy, run, tiny_target
 
+from exactness import STRICT, VOCAB, repeated_prompt, sampling_pvalue
 from mlx_spec.drafters import make_drafter
 from mlx_spec.drafters.eagle import EagleDrafter
 from mlx_spec.engine import Engine
@@ -17,6 +16,7 @@ from mlx_spec.events import Step
 from mlx_spec.models.eagle3 import Model, ModelArgs, default_layer_ids, load_eagle3
 from mlx_spec.models.target import Target
 from mlx_spec.sampling import Sampler, SamplingParams
+from tiny import plain_greedy, run, tiny_target
 
 GREEDY = SamplingParams()
 PROMPT = [1, 5, 7, 9, 11, 13, 2, 5, 7, 9, 11, 13, 2, 5, 7]

@@ -1,9 +1,9 @@
 import pytest
-from tiny import ScriptedDrafter, plain_greedy, run, tiny_target
 
 from mlx_spec.drafters.lookup import LookupDrafter
 from mlx_spec.engine import Engine
 from mlx_spec.errors import MlxSpecError
+from tiny import ScriptedDrafter, plain_greedy, run, tiny_target
 
 # A prompt that repeats itself, so that lookup finds matches and really drafts.
 PROMPT = [1, 5, 7, 9, 11, 13, 2, 5, 7, 9, 11, 13, 2, 5, 7]
@@ -90,10 +90,9 @@ def test_a_long_prompt_prefills_in_chunks_and_reports_them(monkeypatch):
     each but the last, counting the tokens computed (not those the cache held); the output and
     the drafter's features are what one pass gives (EAGLE-3 reads them)."""
     import mlx_spec.engine as engine_module
-    from test_eagle import eagle_target, random_eagle
-
     from mlx_spec.drafters.eagle import EagleDrafter
     from mlx_spec.events import Collector, Prefilling, Token
+    from test_eagle import eagle_target, random_eagle
 
     target = eagle_target()
     prompt = (PROMPT * 3)[:40]

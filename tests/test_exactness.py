@@ -3,15 +3,15 @@
 import mlx.core as mx
 import numpy as np
 import pytest
-from exactness import STRICT, VOCAB, repeated_prompt, sampling_pvalue
-from tiny import tiny_target
 
+from exactness import STRICT, VOCAB, repeated_prompt, sampling_pvalue
 from mlx_spec.drafters.base import Draft
 from mlx_spec.drafters.draft_model import DraftModelDrafter
 from mlx_spec.drafters.lookup import LookupDrafter
 from mlx_spec.drafters.suffix import SuffixDrafter
 from mlx_spec.engine import Engine
 from mlx_spec.sampling import SamplingParams, probs
+from tiny import tiny_target
 
 
 def harness_model(seed):

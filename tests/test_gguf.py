@@ -5,22 +5,23 @@ import json
 
 import mlx_spec  # noqa: F401  (before mlx.core: optimized BLAS)
 
+# isort: split
+
+import gguf
 import mlx.core as mx
 import mlx.nn as nn
+import mlx_lm
 import numpy as np
 import pytest
 from click.testing import CliRunner
 from mlx.utils import tree_flatten, tree_map
-
-import gguf
-import mlx_lm
 from mlx_lm.models import llama
 
 from mlx_spec.cli.convert import convert
+from mlx_spec.convert.default import default_model_path
 from mlx_spec.convert.gguf import build_tokenizer, convert_gguf, is_converted_model, read_gguf_metadata
 from mlx_spec.convert.gguf.llama import _rope_scaling_from_freqs
 from mlx_spec.errors import MlxSpecError
-from mlx_spec.convert.default import default_model_path
 from mlx_spec.models import default as default_model
 
 # --------------------------------------------------------------------------------------------

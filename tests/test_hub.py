@@ -10,9 +10,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from tiny import tiny_chat_model_dir
 
 from mlx_spec.hub import is_repo_id
+from tiny import tiny_chat_model_dir
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 

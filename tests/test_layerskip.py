@@ -5,17 +5,17 @@ and bad input refused before the first token."""
 import mlx.core as mx
 import numpy as np
 import pytest
-from exactness import STRICT, VOCAB, repeated_prompt, sampling_pvalue
 from mlx_lm.models.cache import make_prompt_cache
-from test_windowed import target_of
-from tiny import plain_greedy, run, tiny_target
 
+from exactness import STRICT, VOCAB, repeated_prompt, sampling_pvalue
 from mlx_spec.drafters import make_drafter
 from mlx_spec.drafters.layerskip import LayerSkipDrafter
 from mlx_spec.engine import Engine
 from mlx_spec.errors import MlxSpecError
 from mlx_spec.events import Step
 from mlx_spec.sampling import SamplingParams
+from test_windowed import target_of
+from tiny import plain_greedy, run, tiny_target
 
 PROMPT = [1, 5, 7, 9, 11, 13, 2, 5, 7, 9, 11, 13, 2, 5]
 LAYERS = 4

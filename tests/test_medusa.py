@@ -8,15 +8,15 @@ import json
 import mlx.core as mx
 import numpy as np
 import pytest
-from exactness import STRICT, VOCAB, repeated_prompt, sampling_pvalue
-from tiny import plain_greedy, run, tiny_target
 
+from exactness import STRICT, VOCAB, repeated_prompt, sampling_pvalue
 from mlx_spec.drafters import make_drafter
 from mlx_spec.drafters.medusa import MedusaDrafter
 from mlx_spec.engine import Engine
 from mlx_spec.errors import MlxSpecError
 from mlx_spec.models.medusa import load_medusa
 from mlx_spec.sampling import SamplingParams
+from tiny import plain_greedy, run, tiny_target
 
 PROMPT = [1, 5, 7, 9, 11, 13, 2, 5, 7, 9, 11, 13, 2, 5]
 HEADS, LAYERS = 4, 1

@@ -13,12 +13,10 @@ import shutil
 import mlx.core as mx
 import numpy as np
 import pytest
-from exactness import STRICT, VOCAB, repeated_prompt, sampling_pvalue
 from mlx.utils import tree_flatten, tree_map
 from mlx_lm.models.cache import KVCache, make_prompt_cache
-from test_windowed import RECURRENT
-from tiny import plain_greedy, run, tiny_config, tiny_model
 
+from exactness import STRICT, VOCAB, repeated_prompt, sampling_pvalue
 from mlx_spec.drafters import make_drafter
 from mlx_spec.drafters.eagle import EagleDrafter
 from mlx_spec.engine import Engine
@@ -26,6 +24,8 @@ from mlx_spec.errors import MlxSpecError
 from mlx_spec.models.mtp import LAYOUTS, find_mtp, load_mtp
 from mlx_spec.models.target import Target, load_target
 from mlx_spec.sampling import SamplingParams
+from test_windowed import RECURRENT
+from tiny import plain_greedy, run, tiny_config, tiny_model
 
 MOE = dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
            first_k_dense_replace=1, n_group=1, topk_group=1, routed_scaling_factor=1.0, norm_topk_prob=True)
@@ -212,8 +212,8 @@ def test_exact_sampling(tmp_path, arch):
 def test_converted_directory_keeps_the_module(tmp_path, arch):
     from mlx_lm.utils import load_model
 
-    from mlx_spec.convert.hf import convert_hf
     from mlx_spec.convert.default import default_model_path
+    from mlx_spec.convert.hf import convert_hf
 
     path, target, _, _ = write_published(tmp_path, arch, vocab_size=49152)   # the default tokenizer's
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
@@ -237,8 +237,8 @@ def test_converted_directory_keeps_the_module(tmp_path, arch):
 def test_a_quantized_target_quantizes_its_module(tmp_path):
     from mlx_lm.utils import load_model
 
-    from mlx_spec.convert.hf import convert_hf
     from mlx_spec.convert.default import default_model_path
+    from mlx_spec.convert.hf import convert_hf
 
     path, _, _, _ = write_published(tmp_path, "mimo", vocab_size=49152, scale=2.0)
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):

@@ -2,12 +2,12 @@
 when they always are, follows the measured costs, and never changes the output."""
 
 import pytest
-from tiny import ScriptedDrafter, plain_greedy, run, tiny_target
 
 from mlx_spec.cost import LinearCost
 from mlx_spec.drafters.base import Draft
 from mlx_spec.engine import Engine
 from mlx_spec.policy import PROBE_BUDGET, PROBE_FIRST, PROBE_MAX, TEXT_FLOOR, DraftPolicy, StepOutcome
+from tiny import ScriptedDrafter, plain_greedy, run, tiny_target
 
 PROMPT = [1, 5, 7, 9, 11, 13, 2, 5, 7, 9, 11, 13, 2, 5, 7]
 
@@ -258,7 +258,7 @@ def test_drafting_that_fails_does_not_restart_the_probe_schedule():
     teach(policy, accepted=False, confidence=0.05, n=60)
     policy.first_chance = 0.0
     for _ in range(40):
-        policy.plan(6).length
+        policy.plan(6)
     interval = policy.probe_interval
     assert interval > PROBE_FIRST
     policy.observe(StepOutcome([0.95], [0], [0], []))      # sure, but fails

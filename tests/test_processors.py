@@ -7,12 +7,10 @@ the same processors, sampling exact."""
 import mlx.core as mx
 import numpy as np
 import pytest
-from exactness import STRICT, repeated_prompt, sampling_pvalue
 from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_logits_processors
-from test_tree import ScriptedTreeDrafter
-from tiny import ScriptedDrafter, plain_greedy, renormalised, run, tiny_target
 
+from exactness import STRICT, repeated_prompt, sampling_pvalue
 from mlx_spec.batch import BatchEngine
 from mlx_spec.bench import seeded_sampler
 from mlx_spec.drafters.draft_model import DraftModelDrafter
@@ -22,6 +20,8 @@ from mlx_spec.engine import Engine, GenerationOptions
 from mlx_spec.events import Collector
 from mlx_spec.logprobs import top_indices
 from mlx_spec.sampling import Sampler, SamplingParams
+from test_tree import ScriptedTreeDrafter
+from tiny import ScriptedDrafter, plain_greedy, renormalised, run, tiny_target
 
 PROMPT = [1, 5, 7, 9, 11, 13, 2, 5, 7, 9, 11, 13, 2, 5, 7]
 PENALTIES = dict(logit_bias={3: 1.5, 20: -2.0}, repetition_penalty=1.3, presence_penalty=0.4,

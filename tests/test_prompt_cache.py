@@ -6,14 +6,16 @@ import json
 
 import mlx_spec  # noqa: F401  (OpenBLAS before mlx.core)
 
+# isort: split
+
 import mlx.core as mx
 import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import RotatingKVCache, load_prompt_cache, make_prompt_cache, save_prompt_cache
-from test_cli import assert_one_line_error, cli
-from tiny import tiny_chat_model_dir
 
 from mlx_spec.models.target import load_target
+from test_cli import assert_one_line_error, cli
+from tiny import tiny_chat_model_dir
 
 DOCUMENT = "The quick brown fox jumps over the lazy dog. " * 6
 QUESTION = "What does the fox do?"

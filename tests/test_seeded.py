@@ -2,20 +2,20 @@
 token at each position is argmax(log p + Gumbel noise keyed by (seed, position))."""
 
 import pytest
-from exactness import repeated_prompt
-from test_dflash import random_dflash
-from test_eagle import eagle_target, random_eagle, save_eagle
-from tiny import run, tiny_target
 
+from exactness import repeated_prompt
+from mlx_spec.drafters.combined import Combined
 from mlx_spec.drafters.dflash import DFlashDrafter
 from mlx_spec.drafters.draft_model import DraftModelDrafter
 from mlx_spec.drafters.eagle import EagleDrafter
-from mlx_spec.drafters.combined import Combined
 from mlx_spec.drafters.lookup import LookupDrafter
 from mlx_spec.drafters.suffix import SuffixDrafter
 from mlx_spec.engine import Engine
 from mlx_spec.models.eagle3 import load_eagle3
 from mlx_spec.sampling import SamplingParams
+from test_dflash import random_dflash
+from test_eagle import eagle_target, random_eagle, save_eagle
+from tiny import run, tiny_target
 
 SETTINGS = [SamplingParams(temp=0.7, top_p=0.9, top_k=10), SamplingParams(temp=1.0, top_p=0.95, top_k=12)]
 MAX_TOKENS = 24
@@ -88,9 +88,8 @@ def test_q_is_computed_only_for_the_residual_rule(residual):
 def test_stopping_early_changes_no_token(target, sources, source):
     """Chain drafters that stop once the next draft would not pay (Engine(stop_early=True)) draft
     fewer positions, and print what the target alone prints for the seed."""
-    from test_policy import cpu_like_policy
-
     from mlx_spec.policy import DraftPlan, DraftPolicy
+    from test_policy import cpu_like_policy
 
     class DraftsTheMost(DraftPolicy):   # so that every step drafts, and may stop early
         def plan(self, max_k):

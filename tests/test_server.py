@@ -263,7 +263,7 @@ def test_a_burst_of_64_connections_gets_every_sequential_output(server):
     requests = load_requests()
     key = lambda prompt, settings: (prompt, json.dumps(settings, sort_keys=True))
     reference = {}
-    for prompt, settings, stream, leaves in requests:
+    for prompt, settings, _stream, leaves in requests:
         if not leaves and key(prompt, settings) not in reference:
             reference[key(prompt, settings)] = run_request(server.client(), prompt, settings, stream=False)
     rss_before = server.rss_mb()

@@ -13,6 +13,7 @@ import time
 import urllib.request
 
 import pytest
+
 from agent_model import agent_model_dir, prompt_of
 from test_server import API_KEY, ServerProcess
 from tiny import renormalised
@@ -75,7 +76,7 @@ def mlx_lm_server(model_dir):
                 break
             except OSError:
                 if time.time() > deadline or process.poll() is not None:
-                    raise AssertionError("mlx_lm.server did not start")
+                    raise AssertionError("mlx_lm.server did not start") from None
                 time.sleep(0.5)
         yield openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=120)
     finally:

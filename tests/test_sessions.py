@@ -2,8 +2,6 @@
 reuse what they computed."""
 
 import pytest
-from test_eagle import eagle_target, random_eagle, save_eagle
-from tiny import plain_greedy, run
 
 from mlx_spec.drafters.eagle import EagleDrafter
 from mlx_spec.drafters.lookup import LookupDrafter
@@ -11,6 +9,8 @@ from mlx_spec.engine import Engine
 from mlx_spec.errors import MlxSpecError
 from mlx_spec.models.eagle3 import load_eagle3
 from mlx_spec.server.sessions import SessionCache
+from test_eagle import eagle_target, random_eagle, save_eagle
+from tiny import plain_greedy, run
 
 MAX_TOKENS = 10
 

@@ -4,17 +4,16 @@ never trusted when corrupt or foreign, two writers at once), and exact output wh
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
-from tiny import plain_greedy, run, tiny_target
 
 from mlx_spec.drafters.base import Draft, Drafter
 from mlx_spec.drafters.combined import Combined, expected_tokens
 from mlx_spec.drafters.suffix import ContextIndex, SuffixDrafter, best_tree
 from mlx_spec.engine import Engine
 from mlx_spec.suffix_memory import SuffixMemory
+from tiny import plain_greedy, run, tiny_target
 
 PROMPT = [1, 5, 7, 9, 11, 13, 2, 5, 7, 9, 11, 13, 2, 5, 7, 9, 4, 6, 5, 7]
 

@@ -1,6 +1,7 @@
 import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
+
 from tiny import tiny_target
 
 

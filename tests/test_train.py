@@ -2,26 +2,34 @@
 loss, checkpoints load through the public loaders and draft losslessly, resume is exact."""
 
 import json
+
 import mlx.core as mx
 import numpy as np
-from mlx.utils import tree_map
 import pytest
-from tiny import plain_greedy, run, tiny_chat_model_dir, tiny_target
+from mlx.utils import tree_map
 
 from mlx_spec.drafters import make_drafter
 from mlx_spec.drafters.dflash import DFlashDrafter
 from mlx_spec.drafters.eagle import EagleDrafter
 from mlx_spec.engine import Engine
 from mlx_spec.errors import MlxSpecError
-from mlx_spec.models.dflash import DFlashModel, ModelArgs as DFlashArgs, load_dflash
+from mlx_spec.models.dflash import DFlashModel, load_dflash
+from mlx_spec.models.dflash import ModelArgs as DFlashArgs
 from mlx_spec.models.eagle3 import load_eagle3
 from mlx_spec.models.target import load_target
 from mlx_spec.sampling import SamplingParams
-from mlx_spec.train.dflash import (DFlashOptions, block_mask, block_sparse_forward, new_dflash_model,
-                                   position_weights, sample_anchors, train_dflash)
-from mlx_spec.train.eagle import (EagleOptions, draft_vocabulary, new_eagle_model, train_eagle,
-                                  ttt_forward)
+from mlx_spec.train.dflash import (
+    DFlashOptions,
+    block_mask,
+    block_sparse_forward,
+    new_dflash_model,
+    position_weights,
+    sample_anchors,
+    train_dflash,
+)
+from mlx_spec.train.eagle import EagleOptions, draft_vocabulary, new_eagle_model, train_eagle, ttt_forward
 from mlx_spec.train.loop import FeatureStore, TrainSequence, batch_indices, load_sequences
+from tiny import plain_greedy, run, tiny_chat_model_dir, tiny_target
 
 VOCAB = 48
 GREEDY = SamplingParams()
@@ -258,7 +266,8 @@ def test_eagle_soft_labels_are_the_targets_distribution_over_the_draft_vocabular
 
 def test_mtp_training_time_test_equals_chained_drafting(target):
     """Depth j at row t of the MTP training graph = the j-th own step of a chain at row t."""
-    from mlx_spec.train.mtp import new_mtp_model, ttt_forward as mtp_ttt_forward
+    from mlx_spec.train.mtp import new_mtp_model
+    from mlx_spec.train.mtp import ttt_forward as mtp_ttt_forward
 
     model = new_mtp_model(target)
     model.update(tree_map(lambda p: p + 0.05 * mx.random.normal(p.shape, key=mx.random.key(2)), model.parameters()))

@@ -3,11 +3,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tiny import tiny_chat_model_dir
-
 from mlx_spec.bench_suite import SUITE
 from mlx_spec.train import data as train_data
 from mlx_spec.train.data import build_prompts, is_heldout, read_split, split_of
+from tiny import tiny_chat_model_dir
 
 
 def test_prompts_are_assembled_offline_and_stable():

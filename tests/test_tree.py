@@ -3,14 +3,14 @@
 import mlx.core as mx
 import numpy as np
 import pytest
-from exactness import STRICT, VOCAB, repeated_prompt, sampling_pvalue
 from mlx_lm.models.cache import make_prompt_cache
-from tiny import plain_greedy, run, tiny_target
 
+from exactness import STRICT, VOCAB, repeated_prompt, sampling_pvalue
 from mlx_spec.drafters.base import Draft, Drafter
 from mlx_spec.engine import Engine
 from mlx_spec.sampling import SamplingParams
 from mlx_spec.tree import Tree, compact, tree_forward
+from tiny import plain_greedy, run, tiny_target
 
 #        root(0)
 #       /   |   \

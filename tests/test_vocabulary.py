@@ -7,13 +7,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-from exactness import STRICT, VOCAB, repeated_prompt, sampling_pvalue
-from test_dflash import random_dflash
-from test_medusa import random_heads
-from test_medusa import write as write_medusa
-from test_mtp import write_published
-from tiny import plain_greedy, run, tiny_target
 
+from exactness import STRICT, VOCAB, repeated_prompt, sampling_pvalue
 from mlx_spec.drafters.ddtree import DDTreeDrafter
 from mlx_spec.drafters.dflash import DFlashDrafter
 from mlx_spec.drafters.eagle import EagleDrafter
@@ -25,6 +20,11 @@ from mlx_spec.models.dflash import load_dflash
 from mlx_spec.models.medusa import load_medusa
 from mlx_spec.models.mtp import load_mtp
 from mlx_spec.sampling import SamplingParams
+from test_dflash import random_dflash
+from test_medusa import random_heads
+from test_medusa import write as write_medusa
+from test_mtp import write_published
+from tiny import plain_greedy, run, tiny_target
 
 PROMPT = [1, 5, 7, 9, 11, 13, 2, 5, 7, 9, 11, 13, 2, 5]
 

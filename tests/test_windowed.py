@@ -6,14 +6,14 @@ is plain mlx-lm's, token for token, or refused in one line before any token."""
 import mlx.core as mx
 import numpy as np
 import pytest
-from tiny import ScriptedDrafter, plain_greedy, run, tiny_target
 
 from mlx_spec.cache import rollback_to
 from mlx_spec.drafters.draft_model import DraftModelDrafter
 from mlx_spec.drafters.lookup import LookupDrafter
 from mlx_spec.engine import Engine
-from mlx_spec.events import Collector, Step
 from mlx_spec.errors import MlxSpecError
+from mlx_spec.events import Collector, Step
+from tiny import ScriptedDrafter, plain_greedy, run, tiny_target
 
 WINDOW = 8
 WINDOWED = {
@@ -155,10 +155,9 @@ def test_recurrent_chat_and_sampling(arch):
 
 def random_feature_models(target, tmp_path):
     """A random EAGLE-3 layer (published layout, loaded) and a random DFlash model for `target`."""
+    from mlx_spec.models.eagle3 import load_eagle3
     from test_dflash import random_dflash
     from test_eagle import random_eagle, save_eagle
-
-    from mlx_spec.models.eagle3 import load_eagle3
 
     eagle = random_eagle(target, seed=5, scale=2.0, hidden_size=target.hidden_size,
                          aux_layer_ids=list(range(min(3, target.num_layers))))
@@ -318,10 +317,9 @@ def test_a_tree_pass_over_recurrent_layers_equals_plain_paths(arch):
     """Recurrent layers run the tree one depth at a time, each node from its parent's state:
     every node's logits are a plain pass's over its path; after compaction to the accepted
     path, every layer's cache equals a plain pass over the context and that path."""
-    from test_tree import PARENTS
-
     from mlx_spec.cache import Replay, make_cache
     from mlx_spec.tree import Tree, compact, tree_forward
+    from test_tree import PARENTS
 
     target, tree = target_of(arch), Tree(PARENTS)
     context, tokens = PROMPT[:7], [7, 8, 9, 10, 11, 12, 13]
@@ -375,13 +373,12 @@ def test_tree_drafts_on_recurrent_targets_are_token_identical(arch):
 def test_learned_tree_sources_on_a_hybrid_target(tmp_path):
     """EAGLE-3's tree, DDTree, Medusa's tree and suffix decoding's trees over Qwen3-Next's
     Gated DeltaNet and attention layers: token-identical to plain mlx-lm."""
-    from test_medusa import random_heads, write
-
     from mlx_spec.drafters.ddtree import DDTreeDrafter
     from mlx_spec.drafters.eagle import EagleDrafter
     from mlx_spec.drafters.medusa import MedusaDrafter
     from mlx_spec.drafters.suffix import SuffixDrafter
     from mlx_spec.models.medusa import load_medusa
+    from test_medusa import random_heads, write
 
     target = target_of("qwen3_next")
     expected = plain_greedy(target.model, PROMPT, 30)

@@ -7,7 +7,16 @@ import click
 from ..api import stats_line
 from ..errors import MlxSpecError, RanksLost
 from ..events import Collector
-from .common import GroupedCommand, draft_label, echo_err, load_engine, model_label, config_options, reports_errors, stream
+from .common import (
+    GroupedCommand,
+    config_options,
+    draft_label,
+    echo_err,
+    load_engine,
+    model_label,
+    reports_errors,
+    stream,
+)
 
 COMMANDS = {
     "/help": "list these commands",

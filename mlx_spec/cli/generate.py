@@ -5,7 +5,7 @@ import click
 
 from ..api import stats_line
 from ..engine import UNKNOWN_TOKEN
-from .common import GroupedCommand, draft_label, echo_err, load_engine, config_options, reports_errors, stream
+from .common import GroupedCommand, config_options, draft_label, echo_err, load_engine, reports_errors, stream
 
 
 def encode_prompt(tokenizer, prompt: str, system, use_chat_template: bool, after_cache: bool = False):

@@ -4,7 +4,15 @@ import socket
 
 import click
 
-from .common import GroupedCommand, draft_label, echo_err, load_engine, model_label, config_options, reports_errors
+from .common import (
+    GroupedCommand,
+    config_options,
+    draft_label,
+    echo_err,
+    load_engine,
+    model_label,
+    reports_errors,
+)
 
 
 def _interrupt(signum, frame):

@@ -32,7 +32,7 @@ def default_model_path(
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise MlxSpecError(f"cannot create the model cache {path.parent}: {e.strerror or e}")
+        raise MlxSpecError(f"cannot create the model cache {path.parent}: {e.strerror or e}") from None
     with _lock(path.parent / f".{name}.lock"):
         if not is_converted_model(path):  # another process may have finished meanwhile
             convert_gguf(gguf_path, path, dtype=dtype, overwrite=True, progress=progress)

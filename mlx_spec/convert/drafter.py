@@ -15,9 +15,15 @@ from typing import Callable, Optional
 import mlx.core as mx
 
 from ..errors import MlxSpecError
-from ..models.checkpoint import DRAFT_VOCABULARY, FLOAT_DTYPES, KINDS, checkpoint_kind, read_config, read_weights
+from ..models.checkpoint import (
+    DRAFT_VOCABULARY,
+    FLOAT_DTYPES,
+    KINDS,
+    checkpoint_kind,
+    read_config,
+    read_weights,
+)
 from .output import check_output, write_dir, write_json
-
 
 
 def _convert_weights(weights: dict, dtype, quantize: bool, q_bits: int, q_group_size: int) -> dict:

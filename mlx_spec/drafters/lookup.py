@@ -8,7 +8,6 @@ from typing import Dict, List, Tuple
 
 from .base import Draft, Drafter
 
-
 MAX_MATCH = 12
 
 

@@ -17,7 +17,8 @@ import mlx.nn as nn
 import numpy as np
 
 from ..errors import MlxSpecError
-from .checkpoint import DRAFT_VOCABULARY as FILE, one_line
+from .checkpoint import DRAFT_VOCABULARY as FILE
+from .checkpoint import one_line
 
 
 def frequent_ids(token_lists: Iterable[Sequence[int]], vocab_size: int, size: int) -> np.ndarray:

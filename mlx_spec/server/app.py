@@ -19,11 +19,11 @@ import socket
 import sys
 import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import List, Optional, Sequence
 
 import mlx.core as mx
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import List, Optional, Sequence
 
 from .. import __version__
 from ..api import Responses, count, sampling_and_seed
@@ -34,10 +34,19 @@ from ..errors import MlxSpecError, RanksLost
 from ..events import Done, Failed, Prefilling
 from ..models.checkpoint import one_line
 from . import anthropic
-from .output import (Delta, Reply, ReplySplitter, initial_state, text_machine, token_logprobs, token_texts,
-                     usage)
+from .disk_cache import DEFAULT_MAX_BYTES as DEFAULT_DISK_BYTES
+from .disk_cache import DiskCache, default_directory, model_identity
+from .output import (
+    Delta,
+    Reply,
+    ReplySplitter,
+    initial_state,
+    text_machine,
+    token_logprobs,
+    token_texts,
+    usage,
+)
 from .protocol import Request, RequestError, parse
-from .disk_cache import DEFAULT_MAX_BYTES as DEFAULT_DISK_BYTES, DiskCache, default_directory, model_identity
 from .sessions import SessionCache
 
 POLL_SECONDS = 0.05

@@ -24,7 +24,6 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
-
 from mlx_lm.models.cache import save_prompt_cache
 
 from ..cache import PROMPT_CACHE_LAYERS, common_prefix_length, read_prompt_cache

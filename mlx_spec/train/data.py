@@ -357,10 +357,9 @@ def generate_data(target, out_dir, limit: Optional[int] = None, max_tokens: int 
     interrupted run resumes. `window`: answer the prompts `window` at a time, in their order
     (None: all at once). `max_minutes`: start no batch after that long; counts["stopped"] is
     then the number of prompts left."""
+    import mlx.core as mx
     from mlx_lm import batch_generate
     from mlx_lm.sample_utils import make_sampler
-
-    import mlx.core as mx
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -28,9 +28,20 @@ from mlx.utils import tree_flatten
 from ..drafters.dflash import DFlashDrafter
 from ..errors import MlxSpecError
 from ..models.dflash import ARCHITECTURE, DFlashModel, ModelArgs, spread_layer_ids
-from .loop import (DevEvaluation, FeatureStore, LoopOptions, TrainResult, batch_indices, cast_for_saving,
-                   layer_config, load_sequences, resume_step, run_loop, step_rng,
-                   used_indices)
+from .loop import (
+    DevEvaluation,
+    FeatureStore,
+    LoopOptions,
+    TrainResult,
+    batch_indices,
+    cast_for_saving,
+    layer_config,
+    load_sequences,
+    resume_step,
+    run_loop,
+    step_rng,
+    used_indices,
+)
 
 
 @dataclass

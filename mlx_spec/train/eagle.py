@@ -30,12 +30,23 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
+from ..drafters.eagle import EagleDrafter
 from ..errors import MlxSpecError
 from ..models import vocabulary
 from ..models.eagle3 import Model, ModelArgs, default_layer_ids
-from ..drafters.eagle import EagleDrafter
-from .loop import (DevEvaluation, FeatureStore, LoopOptions, TrainResult, batch_indices, cast_for_saving,
-                   layer_config, load_sequences, resume_step, run_loop, used_indices)
+from .loop import (
+    DevEvaluation,
+    FeatureStore,
+    LoopOptions,
+    TrainResult,
+    batch_indices,
+    cast_for_saving,
+    layer_config,
+    load_sequences,
+    resume_step,
+    run_loop,
+    used_indices,
+)
 
 
 @dataclass

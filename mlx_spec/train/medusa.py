@@ -19,8 +19,18 @@ import numpy as np
 from ..drafters.medusa import MedusaDrafter
 from ..errors import MlxSpecError
 from ..models.medusa import Model, ModelArgs, save_medusa
-from .loop import (DevEvaluation, FeatureStore, LoopOptions, TrainResult, batch_indices, load_sequences, resume_step,
-                   run_loop, step_rng, used_indices)
+from .loop import (
+    DevEvaluation,
+    FeatureStore,
+    LoopOptions,
+    TrainResult,
+    batch_indices,
+    load_sequences,
+    resume_step,
+    run_loop,
+    step_rng,
+    used_indices,
+)
 
 
 @dataclass

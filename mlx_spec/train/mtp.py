@@ -32,10 +32,27 @@ from ..drafters.eagle import EagleDrafter
 from ..errors import MlxSpecError
 from ..models import vocabulary
 from ..models.mtp import LAYOUTS, Model
-from .eagle import (chain_attention_step, check_labels, cross_entropy, make_eagle_batch, target_distribution,
-                    target_head, top_label)
-from .loop import (DevEvaluation, FeatureStore, LoopOptions, TrainResult, batch_indices, cast_for_saving,
-                   load_sequences, resume_step, run_loop, used_indices)
+from .eagle import (
+    chain_attention_step,
+    check_labels,
+    cross_entropy,
+    make_eagle_batch,
+    target_distribution,
+    target_head,
+    top_label,
+)
+from .loop import (
+    DevEvaluation,
+    FeatureStore,
+    LoopOptions,
+    TrainResult,
+    batch_indices,
+    cast_for_saving,
+    load_sequences,
+    resume_step,
+    run_loop,
+    used_indices,
+)
 
 
 @dataclass

@@ -41,7 +41,6 @@ from .llama import llama_config, llama_weights
 from .reader import GGUF_GROUP_SIZE, _open_gguf, read_gguf_metadata
 from .tokenizer import build_tokenizer
 
-
 __all__ = [
     "DTYPES",
     "CONVERTER_VERSION",

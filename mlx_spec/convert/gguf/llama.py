@@ -6,9 +6,8 @@ from __future__ import annotations
 import re
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-import numpy as np
-
 import mlx.core as mx
+import numpy as np
 
 from mlx_spec.errors import MlxSpecError
 

@@ -7,9 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
-import numpy as np
-
 import mlx.core as mx
+import numpy as np
 
 from mlx_spec.errors import MlxSpecError
 from mlx_spec.models.checkpoint import one_line

@@ -49,8 +49,7 @@ def _split_merge(m: str) -> Tuple[str, str]:
 
 def build_tokenizer(md: Dict[str, Any]):
     """A `tokenizers.Tokenizer` plus tokenizer_config / special_tokens_map dicts from metadata."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
-    from tokenizers import processors
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
     kind = md.get("tokenizer.ggml.model")
     if kind is None:
