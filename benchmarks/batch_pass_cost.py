@@ -41,9 +41,12 @@ def main():
     widths = [int(x) for x in args.widths.split(",")]
 
     target = load_target(default_model_path(), "auto")
-    text = " ".join(json.loads(line).get("prompt") or json.loads(line)["turns"][0]
-                    for line in PROMPTS.read_text().splitlines() if line.strip())
-    context = target.tokenizer.encode(text)[:args.context]
+    text = " ".join(
+        json.loads(line).get("prompt") or json.loads(line)["turns"][0]
+        for line in PROMPTS.read_text().splitlines()
+        if line.strip()
+    )
+    context = target.tokenizer.encode(text)[: args.context]
     if len(context) < args.context:
         sys.exit(f"the held-out prompts give only {len(context)} tokens")
     own = make_cache(target.model)
@@ -58,7 +61,7 @@ def main():
         for width in widths:
             tokens = mx.array(np.random.default_rng(0).integers(0, target.vocab_size, (rows, width)))
             seconds = []
-            for repeat in range(args.repeats + 1):   # the first builds the graph: not counted
+            for repeat in range(args.repeats + 1):  # the first builds the graph: not counted
                 tic = time.perf_counter()
                 mx.eval(target.model(tokens, cache=cache))
                 if repeat:
@@ -71,17 +74,23 @@ def main():
     x = np.array([r["rows"] * r["width"] for r in results], float)
     y = np.array([r["ms"] for r in results])
     b, a = np.polyfit(x, y, 1)
-    print(f"{len(context)} tokens of context per row; median of {args.repeats} passes; fit: "
-          f"{a:.1f} ms + {b:.2f} ms x rows x width\n")
+    print(
+        f"{len(context)} tokens of context per row; median of {args.repeats} passes; fit: "
+        f"{a:.1f} ms + {b:.2f} ms x rows x width\n"
+    )
     print("| rows | " + " | ".join(f"width {w}" for w in widths) + " |")
     print("|---|" + "---|" * len(widths))
     for rows in rows_list:
         cells = [next(r for r in results if r["rows"] == rows and r["width"] == w) for w in widths]
-        print(f"| {rows} | " + " | ".join(f"{c['ms']:.0f} ms (fit {a + b * rows * c['width']:.0f})" for c in cells)
-              + " |")
+        print(
+            f"| {rows} | "
+            + " | ".join(f"{c['ms']:.0f} ms (fit {a + b * rows * c['width']:.0f})" for c in cells)
+            + " |"
+        )
     if args.json:
-        Path(args.json).write_text(json.dumps(dict(args=vars(args), fit=dict(a_ms=a, b_ms=b), results=results),
-                                              indent=1))
+        Path(args.json).write_text(
+            json.dumps(dict(args=vars(args), fit=dict(a_ms=a, b_ms=b), results=results), indent=1)
+        )
 
 
 if __name__ == "__main__":

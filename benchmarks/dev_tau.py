@@ -29,8 +29,12 @@ def main():
     parser.add_argument("--model", default=None, help="target (default: the embedded model)")
     parser.add_argument("--data", required=True, help="a `train data` directory: its heldout.jsonl")
     parser.add_argument("--method", default="eagle", help="the draft source (--draft)")
-    parser.add_argument("--draft-model", action="append", default=[],
-                        help="a drafter directory, or 'shipped' (the default model's); repeat to compare")
+    parser.add_argument(
+        "--draft-model",
+        action="append",
+        default=[],
+        help="a drafter directory, or 'shipped' (the default model's); repeat to compare",
+    )
     parser.add_argument("--temp", type=float, default=0.0)
     parser.add_argument("--seeds", default="0", help="comma-separated sampling seeds")
     parser.add_argument("--prompts", type=int, default=16)
@@ -42,12 +46,31 @@ def main():
     seeds = [int(s) for s in args.seeds.split(",")]
     for drafter_dir in args.draft_model or ["shipped"]:
         options = {"draft_model": None if drafter_dir == "shipped" else drafter_dir}
-        evaluate = DevEvaluation(target, args.data, lambda _: make_drafter(args.method, target, options),
-                                 args.prompts, args.max_tokens, args.draft_tokens,
-                                 SamplingParams(temp=args.temp), seeds)
+        evaluate = DevEvaluation(
+            target,
+            args.data,
+            lambda _: make_drafter(args.method, target, options),
+            args.prompts,
+            args.max_tokens,
+            args.draft_tokens,
+            SamplingParams(temp=args.temp),
+            seeds,
+        )
         result = evaluate(None)
-        print(json.dumps({"method": args.method, "draft_model": drafter_dir, "temp": args.temp, "seeds": seeds,
-                          "max_tokens": args.max_tokens, "draft_tokens": args.draft_tokens, **result}), flush=True)
+        print(
+            json.dumps(
+                {
+                    "method": args.method,
+                    "draft_model": drafter_dir,
+                    "temp": args.temp,
+                    "seeds": seeds,
+                    "max_tokens": args.max_tokens,
+                    "draft_tokens": args.draft_tokens,
+                    **result,
+                }
+            ),
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

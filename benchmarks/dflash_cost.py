@@ -72,12 +72,19 @@ class TimedEval:
 
 def random_dflash(target, layers=5, seed=0):
     c = target.config
-    args = ModelArgs(hidden_size=c["hidden_size"], num_hidden_layers=layers,
-                     num_attention_heads=c["num_attention_heads"],
-                     num_key_value_heads=c["num_key_value_heads"], head_dim=c.get("head_dim"),
-                     intermediate_size=c["intermediate_size"], mask_token_id=0,
-                     rms_norm_eps=c["rms_norm_eps"], rope_theta=c.get("rope_theta", 10000.0),
-                     block_size=BLOCK, target_layer_ids=spread_layer_ids(target.num_layers, layers))
+    args = ModelArgs(
+        hidden_size=c["hidden_size"],
+        num_hidden_layers=layers,
+        num_attention_heads=c["num_attention_heads"],
+        num_key_value_heads=c["num_key_value_heads"],
+        head_dim=c.get("head_dim"),
+        intermediate_size=c["intermediate_size"],
+        mask_token_id=0,
+        rms_norm_eps=c["rms_norm_eps"],
+        rope_theta=c.get("rope_theta", 10000.0),
+        block_size=BLOCK,
+        target_layer_ids=spread_layer_ids(target.num_layers, layers),
+    )
     mx.random.seed(seed)
     model = DFlashModel(args)
     mx.eval(model.parameters())
@@ -110,21 +117,27 @@ def main():
         return draft.tokens, draft.q
 
     verify_ms, verify_build = median_ms(verify, opts.reps, opts.runs)
-    print(f"target forward over {BLOCK} tokens (float32, {opts.context} tokens of context): "
-          f"{verify_ms:.2f} ms (+ {verify_build:.2f} ms building the graph)")
+    print(
+        f"target forward over {BLOCK} tokens (float32, {opts.context} tokens of context): "
+        f"{verify_ms:.2f} ms (+ {verify_build:.2f} ms building the graph)"
+    )
     draft_ms = {}
     for mode, params in (("greedy", SamplingParams()), ("sampled", SamplingParams(temp=0.7))):
         drafter = DFlashDrafter(target, model)
         drafter.sampler = Sampler(params)
         drafter.prefill(context, taps, 0)
-        mx.eval(drafter.block_logits(1))   # the context K/V is computed at the first proposal
+        mx.eval(drafter.block_logits(1))  # the context K/V is computed at the first proposal
         if mode == "greedy":
             layers_ms, _ = median_ms(lambda: model(target.embed(block), drafter.cache), opts.reps, opts.runs)
-            print(f"drafter forward, {model.args.num_hidden_layers} layers only: {layers_ms:.2f} ms = "
-                  f"{layers_ms / verify_ms:.3f} x")
+            print(
+                f"drafter forward, {model.args.num_hidden_layers} layers only: {layers_ms:.2f} ms = "
+                f"{layers_ms / verify_ms:.3f} x"
+            )
         draft_ms[mode], build = median_ms(lambda: propose(drafter), opts.reps, opts.runs)
-        print(f"drafter propose (layers + head on 15 rows), {mode}: {draft_ms[mode]:.2f} ms = "
-              f"{draft_ms[mode] / verify_ms:.3f} x (+ {build:.2f} ms building the graph)")
+        print(
+            f"drafter propose (layers + head on 15 rows), {mode}: {draft_ms[mode]:.2f} ms = "
+            f"{draft_ms[mode] / verify_ms:.3f} x (+ {build:.2f} ms building the graph)"
+        )
 
     # The engine's round, greedy: propose, verify, one sync, commit. With random weights almost
     # every round verifies 15 drafts and commits one token. Timed between consecutive "step"
@@ -135,16 +148,21 @@ def main():
         engine = Engine(target, DFlashDrafter(target, model), num_draft_tokens=BLOCK - 1, adaptive=False)
         timed = TimedEval()
         engine_module.mx = timed
-        marks = [(time.perf_counter(), timed.seconds)
-                 for event in engine.generate(context, max_tokens=opts.tokens) if isinstance(event, Step)]
+        marks = [
+            (time.perf_counter(), timed.seconds)
+            for event in engine.generate(context, max_tokens=opts.tokens)
+            if isinstance(event, Step)
+        ]
         engine_module.mx = mx
         (t0, e0), (t1, e1) = marks[0], marks[-1]
         rounds.append((t1 - t0) / (len(marks) - 1) * 1e3)
         host.append(((t1 - t0) - (e1 - e0)) / (len(marks) - 1) * 1e3)
     round_ms, host_ms = statistics.median(rounds), statistics.median(host)
-    print(f"engine round (greedy, {opts.tokens} tokens, median of {opts.runs} runs): {round_ms:.2f} ms; "
-          f"host overhead (outside the step's one evaluation) = {host_ms:.2f} ms ({host_ms / round_ms:.0%}); "
-          f"round - both forwards timed alone = {round_ms - verify_ms - draft_ms['greedy']:.2f} ms")
+    print(
+        f"engine round (greedy, {opts.tokens} tokens, median of {opts.runs} runs): {round_ms:.2f} ms; "
+        f"host overhead (outside the step's one evaluation) = {host_ms:.2f} ms ({host_ms / round_ms:.0%}); "
+        f"round - both forwards timed alone = {round_ms - verify_ms - draft_ms['greedy']:.2f} ms"
+    )
 
 
 if __name__ == "__main__":

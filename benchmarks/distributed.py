@@ -41,7 +41,7 @@ def collective_seconds(group, hidden_size, positions, repeats=50):
     layer sums twice per pass), on the CPU stream."""
     x = mx.ones((1, positions, hidden_size))
     times = []
-    for _ in range(5):   # warm up
+    for _ in range(5):  # warm up
         mx.eval(mx.distributed.all_sum(x, group=group, stream=mx.cpu))
     for _ in range(repeats):
         tic = time.perf_counter()
@@ -64,7 +64,9 @@ def transfer_seconds(group, hidden_size, positions, layers, repeats=50):
             mx.eval(mx.distributed.recv_like(x, 1, group=group, stream=mx.cpu))
         if i >= 5:
             times.append(time.perf_counter() - tic)
-        mx.eval(mx.distributed.all_sum(mx.zeros(1), group=group, stream=mx.cpu))   # the next one starts together
+        mx.eval(
+            mx.distributed.all_sum(mx.zeros(1), group=group, stream=mx.cpu)
+        )  # the next one starts together
     return statistics.median(times) if group.rank() == 0 else None
 
 
@@ -97,55 +99,82 @@ def main():
     comm = {n: collective_seconds(group, target.hidden_size, n) for n in (1, 8)}
     # EAGLE-3 reads 3 layers, DFlash 5 (its shipped layer: 3): one pass of 1 or 8 positions
     taps = {f"{n}x{k}": transfer_seconds(group, target.hidden_size, n, k) for n in (1, 8) for k in (3, 5)}
-    items = load_prompts(args.prompts)[:args.limit or None]
+    items = load_prompts(args.prompts)[: args.limit or None]
     methods = args.methods.split(",")
     records = []
     for temp in (float(t) for t in args.temps.split(",")):
         sampling = SamplingParams(temp=temp)
         engines = {}
         for item in items:
-            prompt = target.tokenizer.apply_chat_template([{"role": "user", "content": item["turns"][0]}],
-                                                          add_generation_prompt=True)
+            prompt = target.tokenizer.apply_chat_template(
+                [{"role": "user", "content": item["turns"][0]}], add_generation_prompt=True
+            )
             for repeat in range(args.repeats):
                 tokens, seconds = plain_run(target, prompt, args.max_tokens, sampling, seed=repeat)
-                row = dict(temp=temp, question_id=item["question_id"], repeat=repeat,
-                           plain_tokens=len(tokens), plain_seconds=seconds)
+                row = dict(
+                    temp=temp,
+                    question_id=item["question_id"],
+                    repeat=repeat,
+                    plain_tokens=len(tokens),
+                    plain_seconds=seconds,
+                )
                 for method in methods:
                     if not rank0:
                         follower.follow()
                         continue
                     if method not in engines:
                         drafter = make_drafter(method, target, source_options(method))
-                        engines[method] = split.engine(drafter, sampling=sampling,
-                                                       num_draft_tokens=draft_tokens(method, None))
+                        engines[method] = split.engine(
+                            drafter, sampling=sampling, num_draft_tokens=draft_tokens(method, None)
+                        )
                     engine = engines[method]
                     engine.sampler.reseed(repeat)
                     out = Collector()
                     tic = time.perf_counter()
                     for _ in method_steps(engine, prompt, args.max_tokens, out):
                         pass
-                    row[method] = dict(tokens=len(out.tokens), seconds=time.perf_counter() - tic,
-                                       identical=out.tokens == tokens, steps=out.stats.steps,
-                                       accepted=out.stats.accepted_drafts)
+                    row[method] = dict(
+                        tokens=len(out.tokens),
+                        seconds=time.perf_counter() - tic,
+                        identical=out.tokens == tokens,
+                        steps=out.stats.steps,
+                        accepted=out.stats.accepted_drafts,
+                    )
                     channel.send(STOP)
                 records.append(row)
     if not rank0:
         return
     summary = summarize(records, methods)
-    print(f"{group.size()} ranks, --sharding {args.sharding}, {target.model_type} "
-          f"{target.num_layers} layers; one all_sum of [1, n, {target.hidden_size}] float32: "
-          + ", ".join(f"n={n} {s * 1e3:.2f} ms" for n, s in comm.items())
-          + f"; rank 1 -> 0 of [1, n, {target.hidden_size} x layers] (a stage's taps): "
-          + ", ".join(f"{key} {s * 1e3:.2f} ms" for key, s in taps.items()))
-    print(f"{'temp':>4} {'method':>8} {'plain tok/s':>11} {'tok/s':>7} {'speedup':>7} {'tokens/step':>11} identical")
+    print(
+        f"{group.size()} ranks, --sharding {args.sharding}, {target.model_type} "
+        f"{target.num_layers} layers; one all_sum of [1, n, {target.hidden_size}] float32: "
+        + ", ".join(f"n={n} {s * 1e3:.2f} ms" for n, s in comm.items())
+        + f"; rank 1 -> 0 of [1, n, {target.hidden_size} x layers] (a stage's taps): "
+        + ", ".join(f"{key} {s * 1e3:.2f} ms" for key, s in taps.items())
+    )
+    print(
+        f"{'temp':>4} {'method':>8} {'plain tok/s':>11} {'tok/s':>7} {'speedup':>7} {'tokens/step':>11} identical"
+    )
     for row in summary:
-        print(f"{row['temp']:>4g} {row['method']:>8} {row['plain_tps']:>11.1f} {row['tps']:>7.1f} "
-              f"{row['speedup']:>6.2f}x {row['tokens_per_step']:>11.2f} {row['identical']}")
+        print(
+            f"{row['temp']:>4g} {row['method']:>8} {row['plain_tps']:>11.1f} {row['tps']:>7.1f} "
+            f"{row['speedup']:>6.2f}x {row['tokens_per_step']:>11.2f} {row['identical']}"
+        )
     if args.out:
-        Path(args.out).write_text(json.dumps(dict(ranks=group.size(), sharding=args.sharding,
-                                                  model=args.model or "embedded", collective_seconds=comm,
-                                                  tap_transfer_seconds=taps,
-                                                  summary=summary, records=records), indent=1))
+        Path(args.out).write_text(
+            json.dumps(
+                dict(
+                    ranks=group.size(),
+                    sharding=args.sharding,
+                    model=args.model or "embedded",
+                    collective_seconds=comm,
+                    tap_transfer_seconds=taps,
+                    summary=summary,
+                    records=records,
+                ),
+                indent=1,
+            )
+        )
 
 
 def summarize(records, methods):
@@ -162,12 +191,17 @@ def summarize(records, methods):
                 tps = sum(r[method]["tokens"] for r in rs) / sum(r[method]["seconds"] for r in rs)
                 per_repeat.append((plain, tps, tps / plain))
             steps = sum(r[method]["steps"] for r in at)
-            rows.append(dict(temp=temp, method=method,
-                             plain_tps=statistics.median(p for p, _, _ in per_repeat),
-                             tps=statistics.median(t for _, t, _ in per_repeat),
-                             speedup=statistics.median(s for _, _, s in per_repeat),
-                             tokens_per_step=sum(r[method]["tokens"] for r in at) / steps if steps else 0.0,
-                             identical=f"{sum(r[method]['identical'] for r in at)}/{len(at)}"))
+            rows.append(
+                dict(
+                    temp=temp,
+                    method=method,
+                    plain_tps=statistics.median(p for p, _, _ in per_repeat),
+                    tps=statistics.median(t for _, t, _ in per_repeat),
+                    speedup=statistics.median(s for _, _, s in per_repeat),
+                    tokens_per_step=sum(r[method]["tokens"] for r in at) / steps if steps else 0.0,
+                    identical=f"{sum(r[method]['identical'] for r in at)}/{len(at)}",
+                )
+            )
     return rows
 
 

@@ -38,11 +38,15 @@ def main():
     parser.add_argument("--adaptive", action="store_true", help="let the policy choose up to each length")
     args = parser.parse_args()
     target = load_target(default_model_path())
-    rows = [json.loads(line) for line in PROMPTS.read_text().splitlines()][::2][:args.prompts]
-    prompts = [target.tokenizer.apply_chat_template([{"role": "user", "content": r["prompt"]}],
-                                                    add_generation_prompt=True) for r in rows]
+    rows = [json.loads(line) for line in PROMPTS.read_text().splitlines()][::2][: args.prompts]
+    prompts = [
+        target.tokenizer.apply_chat_template(
+            [{"role": "user", "content": r["prompt"]}], add_generation_prompt=True
+        )
+        for r in rows
+    ]
     plain = Engine(target)
-    timed(plain, prompts[0], 8)                                       # warm-up
+    timed(plain, prompts[0], 8)  # warm-up
     base = [timed(plain, p, args.max_tokens)[0] for p in prompts]
     print(f"plain: {statistics.median(base):.1f} tok/s (median of {len(prompts)} prompts)")
     for k in [int(v) for v in args.lengths.split(",")]:
@@ -51,8 +55,10 @@ def main():
         results = [timed(engine, p, args.max_tokens) for p in prompts]
         speed = [r[0] / b for r, b in zip(results, base)]
         taus = [r[1].tokens_per_step for r in results]
-        print(f"{args.method} k={k}: tau {statistics.median(taus):.2f} (per prompt "
-              f"{', '.join(f'{t:.2f}' for t in taus)}), speedup {statistics.median(speed):.2f}x")
+        print(
+            f"{args.method} k={k}: tau {statistics.median(taus):.2f} (per prompt "
+            f"{', '.join(f'{t:.2f}' for t in taus)}), speedup {statistics.median(speed):.2f}x"
+        )
 
 
 if __name__ == "__main__":

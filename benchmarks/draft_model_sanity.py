@@ -26,15 +26,28 @@ from mlx_spec.events import Collector
 from mlx_spec.models.target import load_target
 from mlx_spec.sampling import SamplingParams
 
-PROMPTS = ["What are three good habits for better sleep?", "Write a Python function that reverses a list.",
-           "Summarize: The lighthouse on Brennick Point was built in 1871 after three ships ran aground."]
+PROMPTS = [
+    "What are three good habits for better sleep?",
+    "Write a Python function that reverses a list.",
+    "Summarize: The lighthouse on Brennick Point was built in 1871 after three ships ran aground.",
+]
 
 
 def random_draft_dir(path: Path) -> Path:
     """A 2-layer random Llama with the default model's tokenizer, in the mlx-lm format."""
-    config = dict(model_type="llama", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
-                  num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=49152,
-                  max_position_embeddings=8192, rope_theta=10000.0, tie_word_embeddings=True)
+    config = dict(
+        model_type="llama",
+        hidden_size=64,
+        num_hidden_layers=2,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-5,
+        vocab_size=49152,
+        max_position_embeddings=8192,
+        rope_theta=10000.0,
+        tie_word_embeddings=True,
+    )
     model_class, args_class = _get_classes(config)
     mx.random.seed(0)
     model = model_class(args_class.from_dict(config))
@@ -51,9 +64,17 @@ def tau(target, draft, k, temp, max_tokens):
     sampling = SamplingParams(temp=temp)
     committed = steps = 0
     for text in PROMPTS:
-        prompt = target.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
-        engine = Engine(target, DraftModelDrafter(draft, target.vocab_size), num_draft_tokens=k,
-                        sampling=sampling, seed=0, adaptive=False)
+        prompt = target.tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True
+        )
+        engine = Engine(
+            target,
+            DraftModelDrafter(draft, target.vocab_size),
+            num_draft_tokens=k,
+            sampling=sampling,
+            seed=0,
+            adaptive=False,
+        )
         stats = Collector.of(engine.generate(prompt, max_tokens=max_tokens)).stats
         committed, steps = committed + stats.committed_tokens, steps + stats.steps
     return committed / steps
@@ -69,8 +90,10 @@ def main():
         random_draft = load_target(random_draft_dir(Path(tmp) / "draft"), "float32")
         check_same_vocabulary(target, random_draft)
         for temp in (0.0, 1.0):
-            print(f"K={args.k} temp={temp}: tau random draft = {tau(target, random_draft, args.k, temp, args.max_tokens):.2f}, "
-                  f"tau target as its own draft = {tau(target, target, args.k, temp, args.max_tokens):.2f}")
+            print(
+                f"K={args.k} temp={temp}: tau random draft = {tau(target, random_draft, args.k, temp, args.max_tokens):.2f}, "
+                f"tau target as its own draft = {tau(target, target, args.k, temp, args.max_tokens):.2f}"
+            )
 
 
 if __name__ == "__main__":

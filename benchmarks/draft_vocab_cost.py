@@ -49,12 +49,26 @@ def median_ms(step, reps, runs):
 def drafters(target):
     """(name, load(), make drafter(model), draft length) of each shipped drafter."""
     path = target.path
-    return [("mtp", lambda: load_mtp(shipped_drafter("mtp", path), target),
-             lambda m: EagleDrafter(m, target.vocab_size), 3),
-            ("medusa", lambda: load_medusa(shipped_drafter("medusa", path), target),
-             lambda m: MedusaDrafter(target, m), 4),
-            ("dflash", lambda: load_dflash(shipped_drafter("dflash", path), target),
-             lambda m: DFlashDrafter(target, m), 4)]
+    return [
+        (
+            "mtp",
+            lambda: load_mtp(shipped_drafter("mtp", path), target),
+            lambda m: EagleDrafter(m, target.vocab_size),
+            3,
+        ),
+        (
+            "medusa",
+            lambda: load_medusa(shipped_drafter("medusa", path), target),
+            lambda m: MedusaDrafter(target, m),
+            4,
+        ),
+        (
+            "dflash",
+            lambda: load_dflash(shipped_drafter("dflash", path), target),
+            lambda m: DFlashDrafter(target, m),
+            4,
+        ),
+    ]
 
 
 def main():
@@ -67,22 +81,27 @@ def main():
     opts = parser.parse_args()
 
     target = load_target(default_model_path(), "float32")
-    ids = vocabulary.frequent_ids((r["response_tokens"] for r in read_split(opts.data, "train")),
-                                  target.vocab_size, opts.size)
+    ids = vocabulary.frequent_ids(
+        (r["response_tokens"] for r in read_split(opts.data, "train")), target.vocab_size, opts.size
+    )
     heldout = [t for r in read_split(opts.data, "heldout") for t in r["response_tokens"]]
     if heldout:
-        print(f"{len(ids)}-token draft vocabulary from {opts.data}/train.jsonl covers "
-              f"{np.isin(heldout, ids).mean():.2%} of the {len(heldout)} held-out answer tokens")
+        print(
+            f"{len(ids)}-token draft vocabulary from {opts.data}/train.jsonl covers "
+            f"{np.isin(heldout, ids).mean():.2%} of the {len(heldout)} held-out answer tokens"
+        )
     context = (np.arange(opts.context + 1) * 7919 % 1000 + 100).tolist()
     taps_wanted = sorted({target.num_layers - 1} | set(range(target.num_layers)))
     cache = make_cache(target.model)
     _, taps = target.forward(mx.array(context[:-1])[None], cache, taps_wanted)
     mx.eval([c.state for c in cache], taps)
 
-    print(f"| drafter | k | verify k+1 (ms) | mode | whole vocabulary (ms, x verify) | {len(ids)} tokens (ms, x verify) |")
+    print(
+        f"| drafter | k | verify k+1 (ms) | mode | whole vocabulary (ms, x verify) | {len(ids)} tokens (ms, x verify) |"
+    )
     print("|---|---|---|---|---|---|")
     for name, load, make, k in drafters(target):
-        block = mx.array([context[-k - 1:]])
+        block = mx.array([context[-k - 1 :]])
 
         def verify():
             logits = target.model(block, cache=cache)
@@ -102,7 +121,7 @@ def main():
 
                 def propose():
                     draft = drafter.propose(k)
-                    if isinstance(drafter, EagleDrafter):   # drop the draft steps' cache entries (lazily)
+                    if isinstance(drafter, EagleDrafter):  # drop the draft steps' cache entries (lazily)
                         rollback_to(drafter.cache, len(drafter.paired))
                     return [a for a in (draft.tokens, draft.q) if a is not None]
 

@@ -48,12 +48,18 @@ def interleaved_medians(steps, reps, runs):
 
 def random_eagle(target, draft_vocab, seed=0):
     c = target.config
-    args = ModelArgs(hidden_size=c["hidden_size"], intermediate_size=c["intermediate_size"],
-                     num_attention_heads=c["num_attention_heads"],
-                     num_key_value_heads=c.get("num_key_value_heads"), head_dim=c.get("head_dim"),
-                     rms_norm_eps=c["rms_norm_eps"], rope_theta=c.get("rope_theta", 10000.0),
-                     vocab_size=target.vocab_size, draft_vocab_size=draft_vocab,
-                     aux_layer_ids=default_layer_ids(target.num_layers))
+    args = ModelArgs(
+        hidden_size=c["hidden_size"],
+        intermediate_size=c["intermediate_size"],
+        num_attention_heads=c["num_attention_heads"],
+        num_key_value_heads=c.get("num_key_value_heads"),
+        head_dim=c.get("head_dim"),
+        rms_norm_eps=c["rms_norm_eps"],
+        rope_theta=c.get("rope_theta", 10000.0),
+        vocab_size=target.vocab_size,
+        draft_vocab_size=draft_vocab,
+        aux_layer_ids=default_layer_ids(target.num_layers),
+    )
     mx.random.seed(seed)
     model = Model(args, target_embed=target.embed)
     model.update(tree_map(lambda p: p * 0.05 if p.ndim == 2 else p, model.parameters()))
@@ -89,8 +95,14 @@ def main():
             drafter = EagleDrafter(model, target.vocab_size)
             drafter.sampler = Sampler(sampling)
             fused = mx.random.normal((1, opts.context - 1, len(model.taps) * target.hidden_size))
-            drafter.prefill(context, {tap: fused[..., i * target.hidden_size:(i + 1) * target.hidden_size]
-                                      for i, tap in enumerate(model.taps)}, 0)
+            drafter.prefill(
+                context,
+                {
+                    tap: fused[..., i * target.hidden_size : (i + 1) * target.hidden_size]
+                    for i, tap in enumerate(model.taps)
+                },
+                0,
+            )
             mx.eval(drafter.last_hidden)
 
             def two_drafts():
@@ -102,17 +114,20 @@ def main():
                 draft = drafter.propose(1)
                 return draft.tokens, draft.q
 
-            target_ms, two_ms, one_ms = interleaved_medians([target_step, two_drafts, first_draft],
-                                                            opts.reps, opts.runs)
+            target_ms, two_ms, one_ms = interleaved_medians(
+                [target_step, two_drafts, first_draft], opts.reps, opts.runs
+            )
             step_ms = two_ms - one_ms  # one layer forward + head + pick
-            print(f"{draft_vocab:>10} {mode:>8} {target_ms:>10.2f} {step_ms:>14.2f} "
-                  f"{step_ms / target_ms:>6.3f}   (head + pick alone: {one_ms:.2f} ms)")
+            print(
+                f"{draft_vocab:>10} {mode:>8} {target_ms:>10.2f} {step_ms:>14.2f} "
+                f"{step_ms / target_ms:>6.3f}   (head + pick alone: {one_ms:.2f} ms)"
+            )
 
     # Tree verification: one target pass over budget + 1 nodes (ancestor mask, depth positions),
     # against the one-token step and a chain pass of the same width.
     print(f"{'budget':>10} {'tree ms':>10} {'/ 1 token':>10} {'chain ms':>10} {'/ 1 token':>10}")
     for budget in (16, 32, 64):
-        parents = [i // 4 for i in range(budget)]   # up to 4 children per node, breadth-first
+        parents = [i // 4 for i in range(budget)]  # up to 4 children per node, breadth-first
         nodes = mx.array(context[-1:] + list(range(100, 100 + budget)))
 
         def tree_step():
@@ -125,8 +140,12 @@ def main():
             rollback_to(cache, opts.context)
             return logits
 
-        one_ms, tree_ms, chain_ms = interleaved_medians([target_step, tree_step, chain_step], opts.reps, opts.runs)
-        print(f"{budget:>10} {tree_ms:>10.2f} {tree_ms / one_ms:>10.2f} {chain_ms:>10.2f} {chain_ms / one_ms:>10.2f}")
+        one_ms, tree_ms, chain_ms = interleaved_medians(
+            [target_step, tree_step, chain_step], opts.reps, opts.runs
+        )
+        print(
+            f"{budget:>10} {tree_ms:>10.2f} {tree_ms / one_ms:>10.2f} {chain_ms:>10.2f} {chain_ms / one_ms:>10.2f}"
+        )
 
 
 if __name__ == "__main__":

@@ -67,15 +67,20 @@ def main():
         tokens = mx.random.randint(0, CONFIG["vocab_size"], (nodes + 1,))
         tree = Tree(balanced_parents(nodes, depth))
         times = {"chain": [], "tree": []}
-        for _ in range(args.repeats):   # alternating, each from a fresh prefilled cache
+        for _ in range(args.repeats):  # alternating, each from a fresh prefilled cache
             for name in ("chain", "tree"):
                 cache = prefilled()
                 tic = time.perf_counter()
                 chain(cache, tokens) if name == "chain" else tree_pass(cache, tokens, tree)
-                mx.eval([a for c in cache for a in (c.cache if hasattr(c, "cache") else c.state) if a is not None])
+                mx.eval(
+                    [a for c in cache for a in (c.cache if hasattr(c, "cache") else c.state) if a is not None]
+                )
                 times[name].append(time.perf_counter() - tic)
         chain_ms, tree_ms = (1000 * statistics.median(times[k]) for k in ("chain", "tree"))
-        print(f"| {nodes + 1} | {depth} | {chain_ms:.0f} | {tree_ms:.0f} | {tree_ms / chain_ms:.2f}x |", flush=True)
+        print(
+            f"| {nodes + 1} | {depth} | {chain_ms:.0f} | {tree_ms:.0f} | {tree_ms / chain_ms:.2f}x |",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

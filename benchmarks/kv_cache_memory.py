@@ -33,8 +33,15 @@ def documentation_prompt(tokenizer, tokens: int):
     doc = "\n\n".join(inspect.getdoc(obj) or "" for obj in (collections, functools, json, inspect))
     body = tokenizer.encode(doc)[:tokens]
     return tokenizer.apply_chat_template(
-        [{"role": "user", "content": "Summarize this documentation, quoting its key sentences:\n\n"
-          + tokenizer.decode(body)}], add_generation_prompt=True)
+        [
+            {
+                "role": "user",
+                "content": "Summarize this documentation, quoting its key sentences:\n\n"
+                + tokenizer.decode(body),
+            }
+        ],
+        add_generation_prompt=True,
+    )
 
 
 def setup(doc: str, max_tokens: int):
@@ -51,8 +58,10 @@ def setup(doc: str, max_tokens: int):
 
 def main():
     opts, target, prompt = setup(__doc__, 256)
-    print(f"prompt {len(prompt)} tokens, {opts.max_tokens} generated, quantized from position "
-          f"{opts.quantized_kv_start}")
+    print(
+        f"prompt {len(prompt)} tokens, {opts.max_tokens} generated, quantized from position "
+        f"{opts.quantized_kv_start}"
+    )
     print("| cache | KV cache MB | tok/s | identical to mlx-lm with the same flags |")
     print("|---|---|---|---|")
     for bits in (None, 8, 4):
@@ -60,7 +69,9 @@ def main():
         engine = Engine(target, kv_quantization=kv)
         collected = Collector.of(engine.generate(prompt, max_tokens=opts.max_tokens))
         tokens, stats = collected.tokens, collected.stats
-        flags = dict(kv_bits=bits, kv_group_size=64, quantized_kv_start=opts.quantized_kv_start) if bits else {}
+        flags = (
+            dict(kv_bits=bits, kv_group_size=64, quantized_kv_start=opts.quantized_kv_start) if bits else {}
+        )
         reference = []
         for token, _ in generate_step(mx.array(prompt), target.model, max_tokens=opts.max_tokens, **flags):
             if int(token) in target.eos_token_ids:
@@ -68,9 +79,11 @@ def main():
             reference.append(int(token))
         same = [t for t in tokens if t not in target.eos_token_ids] == reference
         mb = sum(c.nbytes for c in engine.cache) / 2**20
-        print(f"| {'float32' if bits is None else f'{bits}-bit'} | {mb:.1f} | "
-              f"{stats.tokens_per_second:.1f} | {'yes' if same else 'NO'} ({len(tokens)} tokens) |",
-              flush=True)
+        print(
+            f"| {'float32' if bits is None else f'{bits}-bit'} | {mb:.1f} | "
+            f"{stats.tokens_per_second:.1f} | {'yes' if same else 'NO'} ({len(tokens)} tokens) |",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -42,16 +42,19 @@ def main():
             if bits:
                 maybe_quantize_kv_cache(cache, start, 64, bits)
             differences, flips = [], 0
-            for first in range(0, n, width):   # passes over [last token, next width - 1 tokens]
-                chunk = sequence[len(prompt) - 1 + first:len(prompt) - 1 + min(first + width, n)]
+            for first in range(0, n, width):  # passes over [last token, next width - 1 tokens]
+                chunk = sequence[len(prompt) - 1 + first : len(prompt) - 1 + min(first + width, n)]
                 logits = target.model(mx.array(chunk)[None], cache=cache)[0]
                 lp = np.array(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
                 for j in range(len(chunk)):
                     differences.append(np.abs(lp[j] - logprobs[first + j]).max())
                     flips += int(lp[j].argmax() != reference[first + j])
             differences = np.array(differences)
-            print(f"| {'float32' if bits is None else f'{bits}-bit'} | {width} | {np.median(differences):.1e} | "
-                  f"{differences.max():.1e} | {flips} of {n} |", flush=True)
+            print(
+                f"| {'float32' if bits is None else f'{bits}-bit'} | {width} | {np.median(differences):.1e} | "
+                f"{differences.max():.1e} | {flips} of {n} |",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

@@ -36,13 +36,23 @@ def main():
         steps = accepted = proposed = 0
         for item in items:
             text = item["turns"][0] if "turns" in item else item["prompt"]
-            prompt = target.tokenizer.apply_chat_template([{"role": "user", "content": text}],
-                                                          add_generation_prompt=True)
-            engine = Engine(target, LayerSkipDrafter(target, exit_layer), num_draft_tokens=args.k, adaptive=False)
+            prompt = target.tokenizer.apply_chat_template(
+                [{"role": "user", "content": text}], add_generation_prompt=True
+            )
+            engine = Engine(
+                target, LayerSkipDrafter(target, exit_layer), num_draft_tokens=args.k, adaptive=False
+            )
             for event in engine.generate(prompt, max_tokens=args.max_tokens):
                 if isinstance(event, Step):
-                    steps, proposed, accepted = steps + 1, proposed + event.verified, accepted + event.accepted
-        print(f"| {exit_layer} | {(steps + accepted) / steps:.2f} | {accepted / max(proposed, 1):.0%} |", flush=True)
+                    steps, proposed, accepted = (
+                        steps + 1,
+                        proposed + event.verified,
+                        accepted + event.accepted,
+                    )
+        print(
+            f"| {exit_layer} | {(steps + accepted) / steps:.2f} | {accepted / max(proposed, 1):.0%} |",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -62,7 +62,7 @@ def cut(tokenizer, text: str, context: int):
     and the two functions asked about: one defined in its first quarter, one in its last."""
     lines = text.splitlines()
     low, high = 1, len(lines)
-    while low < high:   # the most lines that fit
+    while low < high:  # the most lines that fit
         middle = (low + high + 1) // 2
         code = "\n".join(lines[:middle])
         if len(prompt_of(tokenizer, code, REWRITE.format(name="x" * 24))) <= context:
@@ -83,7 +83,7 @@ def prefilled_mlx_lm(target, prompt):
     cache = make_prompt_cache(target.model)
     tic = time.perf_counter()
     for start in range(0, len(prompt) - 1, PREFILL_CHUNK):
-        target.model(mx.array(prompt[start:min(start + PREFILL_CHUNK, len(prompt) - 1)])[None], cache=cache)
+        target.model(mx.array(prompt[start : min(start + PREFILL_CHUNK, len(prompt) - 1)])[None], cache=cache)
         mx.eval([c.state for c in cache])
     return cache, time.perf_counter() - tic
 
@@ -134,8 +134,14 @@ def main():
     target = load_target(args.model or default_model_path(), "float32")
     tokenizer = target.tokenizer
     methods = args.methods.split(",")
-    engines = {name: Engine(target, make_drafter(name, target, {"suffix_memory": "off"} if "suffix" in name else {}),
-                            sessions=True) for name in methods}
+    engines = {
+        name: Engine(
+            target,
+            make_drafter(name, target, {"suffix_memory": "off"} if "suffix" in name else {}),
+            sessions=True,
+        )
+        for name in methods
+    }
     records, prefills, order = [], [], 0
     for context in [int(c) for c in args.contexts.split(",")]:
         prompts = []
@@ -146,7 +152,7 @@ def main():
                 prompts.append((module, task, prompt_of(tokenizer, code, template.format(name=name))))
         for module, task, prompt in prompts:
             cache, seconds = prefilled_mlx_lm(target, prompt)
-            sessions = {}   # the drafters' tap layers -> the prompt's session
+            sessions = {}  # the drafters' tap layers -> the prompt's session
             for engine in engines.values():
                 key = tuple(sorted(engine.drafter.taps))
                 if key not in sessions:
@@ -154,75 +160,119 @@ def main():
                     tic = time.perf_counter()
                     for _ in engine.generate(prompt, max_tokens=1):
                         pass
-                    prefills.append(dict(context=context, prompt_tokens=len(prompt), module=module, task=task,
-                                         mlx_lm_seconds=seconds, engine_seconds=time.perf_counter() - tic,
-                                         taps=list(key)))
+                    prefills.append(
+                        dict(
+                            context=context,
+                            prompt_tokens=len(prompt),
+                            module=module,
+                            task=task,
+                            mlx_lm_seconds=seconds,
+                            engine_seconds=time.perf_counter() - tic,
+                            taps=list(key),
+                        )
+                    )
                     sessions[key] = engine.detach()
             for repeat in range(args.repeats):
                 for name in methods:
                     engine, session = engines[name], sessions[tuple(sorted(engines[name].drafter.taps))]
                     base, run = Collector(), Collector()
-                    pair = [lambda: timed(mlx_lm_steps(target, prompt, cache, args.max_tokens, base), base),
-                            lambda: timed(engine_steps(engine, prompt, session, args.max_tokens, run), run)]
+                    pair = [
+                        lambda: timed(mlx_lm_steps(target, prompt, cache, args.max_tokens, base), base),
+                        lambda: timed(engine_steps(engine, prompt, session, args.max_tokens, run), run),
+                    ]
                     first = order % 2
                     order += 1
                     results = {first: pair[first](), 1 - first: pair[1 - first]()}
                     (b_first, b_tokens, b_total), (m_first, m_tokens, m_total) = results[0], results[1]
-                    records.append(dict(context=context, prompt_tokens=len(prompt), module=module, task=task,
-                                        method=name, repeat=repeat, identical=run.tokens == base.tokens,
-                                        tokens=len(run.tokens), tau=run.stats.tokens_per_step,
-                                        base_ttft=b_first, base_decode_tokens=len(base.tokens) - b_tokens,
-                                        base_decode_seconds=b_total - b_first, ttft=m_first,
-                                        decode_tokens=len(run.tokens) - m_tokens, decode_seconds=m_total - m_first))
-                    print(f"{context} {name} {module} {task} r{repeat}: "
-                          f"{records[-1]['decode_tokens'] / records[-1]['decode_seconds']:.1f} vs "
-                          f"{records[-1]['base_decode_tokens'] / records[-1]['base_decode_seconds']:.1f} tok/s, "
-                          f"tau {records[-1]['tau']:.2f}, identical {records[-1]['identical']}", flush=True)
+                    records.append(
+                        dict(
+                            context=context,
+                            prompt_tokens=len(prompt),
+                            module=module,
+                            task=task,
+                            method=name,
+                            repeat=repeat,
+                            identical=run.tokens == base.tokens,
+                            tokens=len(run.tokens),
+                            tau=run.stats.tokens_per_step,
+                            base_ttft=b_first,
+                            base_decode_tokens=len(base.tokens) - b_tokens,
+                            base_decode_seconds=b_total - b_first,
+                            ttft=m_first,
+                            decode_tokens=len(run.tokens) - m_tokens,
+                            decode_seconds=m_total - m_first,
+                        )
+                    )
+                    print(
+                        f"{context} {name} {module} {task} r{repeat}: "
+                        f"{records[-1]['decode_tokens'] / records[-1]['decode_seconds']:.1f} vs "
+                        f"{records[-1]['base_decode_tokens'] / records[-1]['base_decode_seconds']:.1f} tok/s, "
+                        f"tau {records[-1]['tau']:.2f}, identical {records[-1]['identical']}",
+                        flush=True,
+                    )
     table = summary(records, methods) + "\n\n" + prefill_summary(prefills)
     print(table)
     if args.markdown:
         Path(args.markdown).write_text(
             table + f"\n\n{len(args.sources.split(','))} files x 2 tasks per context ({args.sources}), "
-            f"{args.max_tokens} tokens, {args.repeats} repeats, greedy; weights {target.path}\n")
+            f"{args.max_tokens} tokens, {args.repeats} repeats, greedy; weights {target.path}\n"
+        )
     if args.json:
         Path(args.json).write_text(json.dumps({"runs": records, "prefills": prefills}, indent=1))
 
 
 def summary(records, methods) -> str:
-    lines = ["| context (tokens) | task | method | decode tok/s | mlx-lm decode tok/s | speedup (per repeat) "
-             "| first step ms (mlx-lm) | tau | identical |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| context (tokens) | task | method | decode tok/s | mlx-lm decode tok/s | speedup (per repeat) "
+        "| first step ms (mlx-lm) | tau | identical |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for context in sorted({r["context"] for r in records}):
         for task in ("question", "rewrite", "both"):
             for name in methods:
-                rs = [r for r in records if r["context"] == context and r["method"] == name
-                      and task in (r["task"], "both")]
+                rs = [
+                    r
+                    for r in records
+                    if r["context"] == context and r["method"] == name and task in (r["task"], "both")
+                ]
                 repeats = sorted({r["repeat"] for r in rs})
                 rates = []
                 for repeat in repeats:
                     mine = [r for r in rs if r["repeat"] == repeat]
-                    rates.append((sum(r["decode_tokens"] for r in mine) / sum(r["decode_seconds"] for r in mine),
-                                  sum(r["base_decode_tokens"] for r in mine) / sum(r["base_decode_seconds"] for r in mine)))
+                    rates.append(
+                        (
+                            sum(r["decode_tokens"] for r in mine) / sum(r["decode_seconds"] for r in mine),
+                            sum(r["base_decode_tokens"] for r in mine)
+                            / sum(r["base_decode_seconds"] for r in mine),
+                        )
+                    )
                 speedups = [m / b for m, b in rates]
                 lines.append(
                     f"| {context} | {task} | {name} | {statistics.median(m for m, _ in rates):.1f} | "
                     f"{statistics.median(b for _, b in rates):.1f} | {statistics.median(speedups):.2f}x "
                     f"({', '.join(f'{x:.2f}' for x in speedups)}) | {statistics.median(r['ttft'] for r in rs) * 1e3:.0f} "
                     f"({statistics.median(r['base_ttft'] for r in rs) * 1e3:.0f}) | "
-                    f"{statistics.median(r['tau'] for r in rs):.2f} | {sum(r['identical'] for r in rs)}/{len(rs)} |")
+                    f"{statistics.median(r['tau'] for r in rs):.2f} | {sum(r['identical'] for r in rs)}/{len(rs)} |"
+                )
     return "\n".join(lines)
 
 
 def prefill_summary(prefills) -> str:
-    lines = ["| context (tokens) | prompt tokens (median) | mlx-lm prefill s | engine prefill s (drafter's taps) |",
-             "|---|---|---|---|"]
+    lines = [
+        "| context (tokens) | prompt tokens (median) | mlx-lm prefill s | engine prefill s (drafter's taps) |",
+        "|---|---|---|---|",
+    ]
     for context in sorted({p["context"] for p in prefills}):
         ps = [p for p in prefills if p["context"] == context]
         by_taps = {}
         for p in ps:
             by_taps.setdefault(tuple(p["taps"]), []).append(p["engine_seconds"])
-        lines.append(f"| {context} | {statistics.median(p['prompt_tokens'] for p in ps):.0f} | "
-                     f"{statistics.median(p['mlx_lm_seconds'] for p in ps):.1f} | "
-                     + ", ".join(f"{statistics.median(v):.1f} ({list(k) or 'none'})" for k, v in by_taps.items()) + " |")
+        lines.append(
+            f"| {context} | {statistics.median(p['prompt_tokens'] for p in ps):.0f} | "
+            f"{statistics.median(p['mlx_lm_seconds'] for p in ps):.1f} | "
+            + ", ".join(f"{statistics.median(v):.1f} ({list(k) or 'none'})" for k, v in by_taps.items())
+            + " |"
+        )
     return "\n".join(lines)
 
 

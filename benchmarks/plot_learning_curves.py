@@ -32,7 +32,9 @@ def running_mean(values: np.ndarray, window: int) -> np.ndarray:
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     here = Path(__file__).parent
     parser.add_argument("--logs", default=str(here / "training"))
     parser.add_argument("--out", default=str(here / "learning_curves.png"))
@@ -55,7 +57,7 @@ def main():
             steps, losses, dev = read_log(path)
             if len(losses):
                 smooth = running_mean(losses, opts.smooth)
-                loss_ax.plot(steps[len(steps) - len(smooth):], smooth, label=path.stem, lw=1)
+                loss_ax.plot(steps[len(steps) - len(smooth) :], smooth, label=path.stem, lw=1)
             if dev:
                 tau_ax.plot(*zip(*dev), marker="o", label=path.stem, lw=1)
         loss_ax.set_title(kind)

@@ -29,8 +29,12 @@ from mlx_spec.events import Collector
 from mlx_spec.models.target import load_target
 
 WORKLOAD = Path(__file__).resolve().parent / "workloads" / "edit.jsonl"
-METHODS = {"suffix": ("suffix", False), "suffix+prediction": ("suffix", True),
-           "none+prediction": ("none", True), "lookup+prediction": ("lookup", True)}
+METHODS = {
+    "suffix": ("suffix", False),
+    "suffix+prediction": ("suffix", True),
+    "none+prediction": ("none", True),
+    "lookup+prediction": ("lookup", True),
+}
 
 
 def main():
@@ -46,14 +50,23 @@ def main():
     for line in WORKLOAD.read_text().splitlines():
         turn = json.loads(line)["turns"][0]
         code = re.search(r"```python\n(.*?)```", turn, re.S).group(1)
-        prompt = tokenizer.apply_chat_template([{"role": "user", "content": turn}], add_generation_prompt=True)
+        prompt = tokenizer.apply_chat_template(
+            [{"role": "user", "content": turn}], add_generation_prompt=True
+        )
         # As a client sends it: the file the reply is expected to be, in its fence.
         prediction = tokenizer.encode(f"```python\n{code}```", add_special_tokens=False)
         items.append((prompt, prediction))
     names = args.methods.split(",")
-    engines = {name: Engine(target, make_drafter(METHODS[name][0], target, {"suffix_memory": "off"}
-                                                 if METHODS[name][0] == "suffix" else {})) for name in names}
-    sampler = None   # greedy: mlx-lm's default
+    engines = {
+        name: Engine(
+            target,
+            make_drafter(
+                METHODS[name][0], target, {"suffix_memory": "off"} if METHODS[name][0] == "suffix" else {}
+            ),
+        )
+        for name in names
+    }
+    sampler = None  # greedy: mlx-lm's default
     rows = {name: [] for name in names}
     identical = {name: [0, 0] for name in names}
     taus = {name: [] for name in names}
@@ -64,8 +77,10 @@ def main():
             for prompt, prediction in items:
                 options = GenerationOptions(prediction=tuple(prediction) if METHODS[name][1] else ())
                 base, run = Collector(), Collector()
-                runs = [baseline_steps(target, prompt, args.max_tokens, sampler, base),
-                        method_steps(engines[name], prompt, args.max_tokens, run, options)]
+                runs = [
+                    baseline_steps(target, prompt, args.max_tokens, sampler, base),
+                    method_steps(engines[name], prompt, args.max_tokens, run, options),
+                ]
                 first = [0, 1] if order % 2 == 0 else [1, 0]
                 order += 1
                 spent = timed_in_turns([runs[i] for i in first])
@@ -76,18 +91,25 @@ def main():
                 identical[name][1] += 1
                 taus[name].append(run.stats.tokens_per_step)
             rows[name].append((method_tokens / method_seconds, base_tokens / base_seconds))
-    lines = ["| method | tok/s | mlx-lm tok/s | speedup | tau (median) | identical |", "|---|---|---|---|---|---|"]
+    lines = [
+        "| method | tok/s | mlx-lm tok/s | speedup | tau (median) | identical |",
+        "|---|---|---|---|---|---|",
+    ]
     for name in names:
         speedups = [m / b for m, b in rows[name]]
-        lines.append(f"| {name} | {statistics.median(m for m, _ in rows[name]):.1f} | "
-                     f"{statistics.median(b for _, b in rows[name]):.1f} | {statistics.median(speedups):.2f}x "
-                     f"({', '.join(f'{x:.2f}' for x in speedups)}) | {statistics.median(taus[name]):.2f} | "
-                     f"{identical[name][0]}/{identical[name][1]} |")
+        lines.append(
+            f"| {name} | {statistics.median(m for m, _ in rows[name]):.1f} | "
+            f"{statistics.median(b for _, b in rows[name]):.1f} | {statistics.median(speedups):.2f}x "
+            f"({', '.join(f'{x:.2f}' for x in speedups)}) | {statistics.median(taus[name]):.2f} | "
+            f"{identical[name][0]}/{identical[name][1]} |"
+        )
     table = "\n".join(lines)
     print(table)
     if args.markdown:
-        Path(args.markdown).write_text(table + f"\n\n{len(items)} prompts (benchmarks/workloads/edit.jsonl, first "
-                                       f"turns), {args.max_tokens} tokens, {args.repeats} repeats, greedy\n")
+        Path(args.markdown).write_text(
+            table + f"\n\n{len(items)} prompts (benchmarks/workloads/edit.jsonl, first "
+            f"turns), {args.max_tokens} tokens, {args.repeats} repeats, greedy\n"
+        )
 
 
 if __name__ == "__main__":

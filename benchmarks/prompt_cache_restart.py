@@ -37,16 +37,35 @@ from serve_load import MLX_SPEC, ServerProcess, stream_chat  # noqa: E402
 
 
 def server(model_dir, draft, cache_dir):
-    process = ServerProcess(f"mlx-spec serve ({cache_dir or 'no disk cache'})",
-                            [str(MLX_SPEC), "serve", "--host", "127.0.0.1", "--port", "0", "--model", str(model_dir),
-                             "--draft", draft, "--prompt-cache-dir", cache_dir or "off"])
+    process = ServerProcess(
+        f"mlx-spec serve ({cache_dir or 'no disk cache'})",
+        [
+            str(MLX_SPEC),
+            "serve",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--model",
+            str(model_dir),
+            "--draft",
+            draft,
+            "--prompt-cache-dir",
+            cache_dir or "off",
+        ],
+    )
     process.wait_ready(300)
     return process
 
 
 def turn(process, messages, max_tokens):
-    body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     result = stream_chat(process.port, body, 900)
     if result["error"]:
         process.fail(result["error"])
@@ -64,22 +83,31 @@ def main():
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     model_dir = default_model_path(dtype="float32")
-    tokenizer = load_target(model_dir, "float32").tokenizer   # the chat template as the server applies it
+    tokenizer = load_target(model_dir, "float32").tokenizer  # the chat template as the server applies it
     records = []
     for context in [int(c) for c in args.contexts.split(",")]:
         code, early, late = cut(tokenizer, source_text("mlx_lm.generate"), context)
-        first = [{"role": "user", "content": f"Here is a Python file:\n```python\n{code}\n```\n"
-                                             + QUESTION.format(name=late)}]
+        first = [
+            {
+                "role": "user",
+                "content": f"Here is a Python file:\n```python\n{code}\n```\n" + QUESTION.format(name=late),
+            }
+        ]
         for repeat in range(args.repeats):
             record = dict(context=context, repeat=repeat)
             warm = server(model_dir, args.draft, None)
             try:
-                reply, record["first_ttft"], _, record["first_prompt_tokens"] = turn(warm, first, args.max_tokens)
-                second = first + [{"role": "assistant", "content": reply},
-                                  {"role": "user", "content": QUESTION.format(name=early)}]
+                reply, record["first_ttft"], _, record["first_prompt_tokens"] = turn(
+                    warm, first, args.max_tokens
+                )
+                second = first + [
+                    {"role": "assistant", "content": reply},
+                    {"role": "user", "content": QUESTION.format(name=early)},
+                ]
                 texts = {}
                 texts["warm"], record["warm"], record["warm_cached"], record["prompt_tokens"] = turn(
-                    warm, second, args.max_tokens)
+                    warm, second, args.max_tokens
+                )
             finally:
                 warm.stop()
             with tempfile.TemporaryDirectory() as directory:
@@ -91,7 +119,8 @@ def main():
                 reader = server(model_dir, args.draft, directory)
                 try:
                     texts["restart"], record["restart"], record["restart_cached"], _ = turn(
-                        reader, second, args.max_tokens)
+                        reader, second, args.max_tokens
+                    )
                 finally:
                     reader.stop()
             cold = server(model_dir, args.draft, None)
@@ -102,19 +131,26 @@ def main():
             record["identical"] = len(set(texts.values())) == 1
             records.append(record)
             print(json.dumps(record), flush=True)
-    lines = ["| context (tokens) | second turn's prompt | cold TTFT s | memory-warm TTFT s | restart TTFT s "
-             "| restart / warm | cold / restart | cached (warm, restart) | identical |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| context (tokens) | second turn's prompt | cold TTFT s | memory-warm TTFT s | restart TTFT s "
+        "| restart / warm | cold / restart | cached (warm, restart) | identical |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for context in sorted({r["context"] for r in records}):
         rs = [r for r in records if r["context"] == context]
         cold, warm, restart = (statistics.median(r[k] for r in rs) for k in ("cold", "warm", "restart"))
-        lines.append(f"| {context} | {rs[0]['prompt_tokens']} | {cold:.2f} | {warm:.2f} | {restart:.2f} | "
-                     f"{restart / warm:.2f} | {cold / restart:.1f} | {rs[0]['warm_cached']}, {rs[0]['restart_cached']} "
-                     f"| {sum(r['identical'] for r in rs)}/{len(rs)} |")
+        lines.append(
+            f"| {context} | {rs[0]['prompt_tokens']} | {cold:.2f} | {warm:.2f} | {restart:.2f} | "
+            f"{restart / warm:.2f} | {cold / restart:.1f} | {rs[0]['warm_cached']}, {rs[0]['restart_cached']} "
+            f"| {sum(r['identical'] for r in rs)}/{len(rs)} |"
+        )
     table = "\n".join(lines)
     print(table)
     if args.markdown:
-        Path(args.markdown).write_text(table + f"\n\nmedians of {args.repeats} repeats; --draft {args.draft}; "
-                                       f"{args.max_tokens} tokens per turn; weights {model_dir}\n")
+        Path(args.markdown).write_text(
+            table + f"\n\nmedians of {args.repeats} repeats; --draft {args.draft}; "
+            f"{args.max_tokens} tokens per turn; weights {model_dir}\n"
+        )
     if args.json:
         Path(args.json).write_text(json.dumps(records, indent=1))
 

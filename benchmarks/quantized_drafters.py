@@ -69,7 +69,9 @@ def held_out(target, engine, max_tokens):
     for line in open(Path(__file__).parent / "heldout_prompts.jsonl"):
         item = json.loads(line)
         user = item["turns"][0] if "turns" in item else item["prompt"]
-        prompt = target.tokenizer.apply_chat_template([{"role": "user", "content": user}], add_generation_prompt=True)
+        prompt = target.tokenizer.apply_chat_template(
+            [{"role": "user", "content": user}], add_generation_prompt=True
+        )
         for event in engine.generate(prompt, max_tokens=max_tokens):
             if isinstance(event, Done):
                 committed, steps = committed + event.stats.committed_tokens, steps + event.stats.steps
@@ -87,18 +89,29 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         for kind, k in LENGTHS.items():
             shipped = SHIPPED_DRAFTERS / kind
-            tau = held_out(target, Engine(target, make(kind, target, shipped), num_draft_tokens=k, adaptive=False),
-                           args.max_tokens)
+            tau = held_out(
+                target,
+                Engine(target, make(kind, target, shipped), num_draft_tokens=k, adaptive=False),
+                args.max_tokens,
+            )
             print(f"| {kind} (k={k}) | float16 as shipped | - | {tau:.2f} |", flush=True)
             for bits in args.bits:
-                out = convert_drafter(shipped, Path(tmp) / f"{kind}-{bits}", target, quantize=True, q_bits=bits)
+                out = convert_drafter(
+                    shipped, Path(tmp) / f"{kind}-{bits}", target, quantize=True, q_bits=bits
+                )
                 tee = Tee(make(kind, target, shipped), make(kind, target, out))
                 held_out(target, Engine(target, tee, num_draft_tokens=k, adaptive=False), args.max_tokens)
-                tau = held_out(target, Engine(target, make(kind, target, out), num_draft_tokens=k, adaptive=False),
-                               args.max_tokens)
+                tau = held_out(
+                    target,
+                    Engine(target, make(kind, target, out), num_draft_tokens=k, adaptive=False),
+                    args.max_tokens,
+                )
                 size = sum(f.stat().st_size for f in out.glob("*.safetensors")) / 2**20
-                print(f"| {kind} (k={k}) | {bits}-bit, {size:.1f} MB | {tee.same / tee.compared:.1%} "
-                      f"({tee.compared} drafts) | {tau:.2f} |", flush=True)
+                print(
+                    f"| {kind} (k={k}) | {bits}-bit, {size:.1f} MB | {tee.same / tee.compared:.1%} "
+                    f"({tee.compared} drafts) | {tau:.2f} |",
+                    flush=True,
+                )
 
 
 if __name__ == "__main__":

@@ -31,7 +31,9 @@ def main():
         for key, w in weights.items():
             if not mx.issubdtype(w.dtype, mx.floating):
                 continue
-            weights[key] = (mx.ones(w.shape) if "norm" in key else 0.02 * mx.random.normal(w.shape)).astype(w.dtype)
+            weights[key] = (mx.ones(w.shape) if "norm" in key else 0.02 * mx.random.normal(w.shape)).astype(
+                w.dtype
+            )
         mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "pt"})
         print(f"{out}: {len(weights)} tensors")
 

@@ -28,13 +28,33 @@ from mlx.utils import tree_map
 from mlx_spec.cache import Replay, rollback_to
 from mlx_spec.models.target import Target
 
-CONFIG = dict(model_type="qwen3_next", hidden_size=2048, num_hidden_layers=4, intermediate_size=512,
-              num_attention_heads=16, num_key_value_heads=2, head_dim=256, rms_norm_eps=1e-6,
-              vocab_size=1024, max_position_embeddings=4096, rope_theta=10000.0, tie_word_embeddings=False,
-              linear_num_value_heads=32, linear_num_key_heads=16, linear_key_head_dim=128,
-              linear_value_head_dim=128, linear_conv_kernel_dim=4, num_experts=8, num_experts_per_tok=2,
-              decoder_sparse_step=1, shared_expert_intermediate_size=512, mlp_only_layers=[],
-              moe_intermediate_size=512, partial_rotary_factor=0.25, full_attention_interval=4)
+CONFIG = dict(
+    model_type="qwen3_next",
+    hidden_size=2048,
+    num_hidden_layers=4,
+    intermediate_size=512,
+    num_attention_heads=16,
+    num_key_value_heads=2,
+    head_dim=256,
+    rms_norm_eps=1e-6,
+    vocab_size=1024,
+    max_position_embeddings=4096,
+    rope_theta=10000.0,
+    tie_word_embeddings=False,
+    linear_num_value_heads=32,
+    linear_num_key_heads=16,
+    linear_key_head_dim=128,
+    linear_value_head_dim=128,
+    linear_conv_kernel_dim=4,
+    num_experts=8,
+    num_experts_per_tok=2,
+    decoder_sparse_step=1,
+    shared_expert_intermediate_size=512,
+    mlp_only_layers=[],
+    moe_intermediate_size=512,
+    partial_rotary_factor=0.25,
+    full_attention_interval=4,
+)
 
 
 def median_ms(fn, repeats):
@@ -53,7 +73,9 @@ def qwen3_next_shaped() -> Target:
     model_class, args_class = _get_classes(CONFIG)
     mx.random.seed(0)
     model = model_class(args_class.from_dict(CONFIG))
-    model.update(tree_map(lambda p: p * 0.02 / max(p.std().item(), 1e-6) if p.ndim >= 2 else p, model.parameters()))
+    model.update(
+        tree_map(lambda p: p * 0.02 / max(p.std().item(), 1e-6) if p.ndim >= 2 else p, model.parameters())
+    )
     mx.eval(model.parameters())
     return Target(model, None, CONFIG)
 
@@ -78,7 +100,9 @@ def main():
 
     rebuild = median_ms(prefilled, args.repeats)
     print(f"context {args.context}; rebuild (prefill from scratch): {rebuild:.0f} ms")
-    print("| k+1 | pass ms | replay m=1 ms | replay m=k/2 ms | replay m=k ms | held by Replay MB | option (b) MB |")
+    print(
+        "| k+1 | pass ms | replay m=1 ms | replay m=k/2 ms | replay m=k ms | held by Replay MB | option (b) MB |"
+    )
     print("|---|---|---|---|---|---|---|")
     for fed in (2, 5, 9):
         step = mx.random.randint(0, CONFIG["vocab_size"], (1, fed))
@@ -96,13 +120,15 @@ def main():
                 tic = time.perf_counter()
                 assert rollback_to(cache, args.context + keep, replay)
                 times.append(time.perf_counter() - tic)
-                assert rollback_to(cache, args.context, replay)   # back to the context
+                assert rollback_to(cache, args.context, replay)  # back to the context
             replays[keep] = 1000 * statistics.median(times)
         inputs = sum(call[1].nbytes for call in replay.calls)
         keeps = sorted(replays)
-        print(f"| {fed} | {1000 * statistics.median(passes):.0f} | {replays[keeps[0]]:.0f} | "
-              f"{replays[keeps[len(keeps) // 2]]:.0f} | {replays[keeps[-1]]:.0f} | "
-              f"{(state_bytes + inputs) / 2**20:.1f} | {fed * state_bytes / 2**20:.1f} |")
+        print(
+            f"| {fed} | {1000 * statistics.median(passes):.0f} | {replays[keeps[0]]:.0f} | "
+            f"{replays[keeps[len(keeps) // 2]]:.0f} | {replays[keeps[-1]]:.0f} | "
+            f"{(state_bytes + inputs) / 2**20:.1f} | {fed * state_bytes / 2**20:.1f} |"
+        )
 
 
 if __name__ == "__main__":

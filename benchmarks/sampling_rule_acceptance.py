@@ -32,23 +32,37 @@ def main():
     args = parser.parse_args()
     target = load_target(default_model_path())
     rows = [json.loads(line) for line in PROMPTS.read_text().splitlines()]
-    rows = [r for r in rows if "prompt" in r][::2][:args.prompts]
-    prompts = [target.tokenizer.apply_chat_template([{"role": "user", "content": r["prompt"]}],
-                                                    add_generation_prompt=True) for r in rows]
+    rows = [r for r in rows if "prompt" in r][::2][: args.prompts]
+    prompts = [
+        target.tokenizer.apply_chat_template(
+            [{"role": "user", "content": r["prompt"]}], add_generation_prompt=True
+        )
+        for r in rows
+    ]
     params = SamplingParams(temp=args.temp)
     for method in args.methods.split(","):
         k = draft_tokens(method)
         for residual in (False, True):
-            engine = Engine(target, make_drafter(method, target, {}), num_draft_tokens=k, sampling=params,
-                            seed=0, residual=residual, adaptive=False)
+            engine = Engine(
+                target,
+                make_drafter(method, target, {}),
+                num_draft_tokens=k,
+                sampling=params,
+                seed=0,
+                residual=residual,
+                adaptive=False,
+            )
             proposed = accepted = committed = steps = 0
             for prompt in prompts:
                 stats = Collector.of(engine.generate(prompt, max_tokens=args.max_tokens)).stats
                 proposed, accepted = proposed + stats.verified_drafts, accepted + stats.accepted_drafts
                 committed, steps = committed + stats.committed_tokens, steps + stats.steps
-            print(f"{method} k={k} temp {args.temp} {'residual' if residual else 'seeded  '} rule: "
-                  f"acceptance {accepted / proposed:.1%}, tau {committed / steps:.2f} "
-                  f"({len(prompts)} prompts x {args.max_tokens} tokens)", flush=True)
+            print(
+                f"{method} k={k} temp {args.temp} {'residual' if residual else 'seeded  '} rule: "
+                f"acceptance {accepted / proposed:.1%}, tau {committed / steps:.2f} "
+                f"({len(prompts)} prompts x {args.max_tokens} tokens)",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

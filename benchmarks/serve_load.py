@@ -52,7 +52,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPTS = Path(__file__).resolve().parent / "heldout_prompts.jsonl"
-MLX_SPEC = Path(sys.executable).with_name("mlx-spec")   # the venv's console script
+MLX_SPEC = Path(sys.executable).with_name("mlx-spec")  # the venv's console script
 READY = re.compile(r"mlx-spec serve: .* on http://127\.0\.0\.1:(\d+)/v1")
 # mlx_lm.server behind `import mlx_spec` (OpenBLAS first); its arguments follow in sys.argv.
 MLX_LM = "import mlx_spec, sys; sys.argv = ['mlx_lm.server', *sys.argv[1:]]; from mlx_lm.server import main; main()"
@@ -65,7 +65,7 @@ def load_prompts(limit):
 
 
 def free_port():
-    with socket.socket() as s:   # bound then closed: the port is free a moment later
+    with socket.socket() as s:  # bound then closed: the port is free a moment later
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
@@ -78,9 +78,16 @@ class ServerProcess:
         self.name, self.port = name, port
         self.lines = deque(maxlen=30)
         self.ready_line = threading.Event()
-        self.proc = subprocess.Popen(argv, cwd=ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True, errors="replace",
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(
+            argv,
+            cwd=ROOT,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            errors="replace",
+            start_new_session=True,
+        )
         threading.Thread(target=self._drain, daemon=True).start()
 
     def _drain(self):
@@ -90,7 +97,7 @@ class ServerProcess:
             if match and self.port is None:
                 self.port = int(match.group(1))
                 self.ready_line.set()
-        self.ready_line.set()   # exited
+        self.ready_line.set()  # exited
 
     def fail(self, why):
         tail = "\n  ".join(self.lines)
@@ -99,53 +106,82 @@ class ServerProcess:
     def wait_ready(self, timeout):
         """Until GET /health answers 200 (mlx-spec: once it has printed its port)."""
         deadline = time.monotonic() + timeout
-        if self.port is None:   # mlx-spec: --port 0, the port comes in its ready line
+        if self.port is None:  # mlx-spec: --port 0, the port comes in its ready line
             self.ready_line.wait(timeout)
             if self.port is None:
-                self.fail(f"no ready line within {timeout} s" if self.proc.poll() is None
-                          else f"exited with status {self.proc.returncode}")
+                self.fail(
+                    f"no ready line within {timeout} s"
+                    if self.proc.poll() is None
+                    else f"exited with status {self.proc.returncode}"
+                )
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 self.fail(f"exited with status {self.proc.returncode}")
             try:
                 if self.port is not None and get_json(self.port, "/health", 5)[0] == 200:
                     return
-            except OSError:   # not listening yet
+            except OSError:  # not listening yet
                 pass
             time.sleep(0.5)
         self.fail(f"/health not up within {timeout} s")
 
     def stop(self, timeout=30):
         if self.proc.poll() is None:
-            self.proc.terminate()   # both stop on SIGTERM
+            self.proc.terminate()  # both stop on SIGTERM
             try:
                 self.proc.wait(timeout)
                 return
             except subprocess.TimeoutExpired:
                 print(f"{self.name}: still running {timeout} s after SIGTERM: killed", file=sys.stderr)
         try:
-            os.killpg(self.proc.pid, signal.SIGKILL)   # the whole session: nothing left behind
+            os.killpg(self.proc.pid, signal.SIGKILL)  # the whole session: nothing left behind
         except ProcessLookupError:
             pass
         self.proc.wait(10)
 
 
-LOGPROBS = "+logprobs"   # a config's requests ask for logprobs (and 5 alternatives)
+LOGPROBS = "+logprobs"  # a config's requests ask for logprobs (and 5 alternatives)
 
 
 def start_server(config, model_dir, args):
     config = config.removesuffix(LOGPROBS)
     if config == "mlx_lm":
         port = free_port()
-        argv = [sys.executable, "-c", MLX_LM, "--model", str(model_dir), "--host", "127.0.0.1",
-                "--port", str(port), "--max-tokens", str(args.max_tokens)]
+        argv = [
+            sys.executable,
+            "-c",
+            MLX_LM,
+            "--model",
+            str(model_dir),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--max-tokens",
+            str(args.max_tokens),
+        ]
         return ServerProcess("mlx_lm.server", argv, port)
     method, _, max_batch = config.partition("/")
     # no prompt cache on disk: mlx_lm.server has none, and --cold means a server that holds nothing
-    argv = [str(MLX_SPEC), "serve", "--host", "127.0.0.1", "--port", "0", "--model", str(model_dir),
-            "--draft", method, "--max-tokens", str(args.max_tokens), "--prompt-cache-dir", "off"] + (
-                ["--max-batch", max_batch] if max_batch else [])
-    return ServerProcess(f"mlx-spec serve --draft {method}" + (f" --max-batch {max_batch}" if max_batch else ""), argv)
+    argv = [
+        str(MLX_SPEC),
+        "serve",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "0",
+        "--model",
+        str(model_dir),
+        "--draft",
+        method,
+        "--max-tokens",
+        str(args.max_tokens),
+        "--prompt-cache-dir",
+        "off",
+    ] + (["--max-batch", max_batch] if max_batch else [])
+    return ServerProcess(
+        f"mlx-spec serve --draft {method}" + (f" --max-batch {max_batch}" if max_batch else ""), argv
+    )
 
 
 def get_json(port, path, timeout):
@@ -194,7 +230,7 @@ def stream_chat(port, body, timeout):
                 break
             line = line.strip()
             if not line.startswith(b"data:"):
-                continue   # blank separators, comments
+                continue  # blank separators, comments
             data = line[5:].strip()
             if data == b"[DONE]":
                 done = True
@@ -223,13 +259,18 @@ def stream_chat(port, body, timeout):
 
 
 def request_body(model, prompt, index, args, max_tokens=None, seeded=True, extra=None):
-    body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens or args.max_tokens,
-            "temperature": args.temperature, "stream": True, "stream_options": {"include_usage": True},
-            **(extra or {})}
+    body = {
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": max_tokens or args.max_tokens,
+        "temperature": args.temperature,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        **(extra or {}),
+    }
     if model is not None:
         body["model"] = model
     if args.temperature > 0 and seeded:
-        body["seed"] = args.seed + index   # reproducible per prompt, different across prompts
+        body["seed"] = args.seed + index  # reproducible per prompt, different across prompts
     return body
 
 
@@ -247,19 +288,23 @@ def run_level(port, model, prompts, concurrency, args, seeded=True, extra=None):
                 j = todo.get_nowait()
             except queue.Empty:
                 return
-            results[j] = stream_chat(port, request_body(model, prompts[jobs[j]], jobs[j], args, seeded=seeded,
-                                                        extra=extra),
-                                     args.timeout)
+            results[j] = stream_chat(
+                port,
+                request_body(model, prompts[jobs[j]], jobs[j], args, seeded=seeded, extra=extra),
+                args.timeout,
+            )
 
     threads = [threading.Thread(target=client, daemon=True) for _ in range(concurrency)]
     start = time.perf_counter()
     for t in threads:
         t.start()
-    deadline = time.monotonic() + args.timeout * (-(-len(jobs) // concurrency) + 1)   # each request is bounded
+    deadline = time.monotonic() + args.timeout * (-(-len(jobs) // concurrency) + 1)  # each request is bounded
     for t in threads:
         t.join(max(0.0, deadline - time.monotonic()))
     wall = time.perf_counter() - start
-    missing = dict(ttft=None, total=None, text="", tokens=0, deltas=0, usage=None, error="client still waiting")
+    missing = dict(
+        ttft=None, total=None, text="", tokens=0, deltas=0, usage=None, error="client still waiting"
+    )
     return [r or dict(missing) for r in results], wall, jobs
 
 
@@ -273,7 +318,9 @@ def run_config(config, model_dir, prompts, args):
         try:
             server.wait_ready(args.start_timeout)
             model = served_model(server.port, model_dir)
-            warm = stream_chat(server.port, request_body(model, "Hello!", 0, args, max_tokens=4), args.start_timeout)
+            warm = stream_chat(
+                server.port, request_body(model, "Hello!", 0, args, max_tokens=4), args.start_timeout
+            )
             if warm["error"]:
                 server.fail(f"warm-up failed: {warm['error']}")
             for concurrency in group:
@@ -284,8 +331,11 @@ def run_config(config, model_dir, prompts, args):
                 results, wall, jobs = run_level(server.port, model, prompts, concurrency, args, seeded, extra)
                 levels[concurrency] = dict(results=results, wall=wall, jobs=jobs)
                 errors = [r["error"] for r in results if r["error"]]
-                print(f"{config} x{concurrency}: {len(results)} requests in {wall:.1f} s"
-                      + (f", {len(errors)} failed (first: {errors[0]})" if errors else ""), file=sys.stderr)
+                print(
+                    f"{config} x{concurrency}: {len(results)} requests in {wall:.1f} s"
+                    + (f", {len(errors)} failed (first: {errors[0]})" if errors else ""),
+                    file=sys.stderr,
+                )
         finally:
             server.stop()
     return dict(model=model, levels=levels)
@@ -293,8 +343,10 @@ def run_config(config, model_dir, prompts, args):
 
 def summarize(config, concurrency, level, own_c1, mlx_lm_c1):
     ok = [r for r in level["results"] if not r["error"]]
-    ttfts = [r["ttft"] for r in ok if r["ttft"] is not None]   # None: an empty reply
-    decode = [r["tokens"] / (r["total"] - r["ttft"]) for r in ok if r["ttft"] is not None and r["total"] > r["ttft"]]
+    ttfts = [r["ttft"] for r in ok if r["ttft"] is not None]  # None: an empty reply
+    decode = [
+        r["tokens"] / (r["total"] - r["ttft"]) for r in ok if r["ttft"] is not None and r["total"] > r["ttft"]
+    ]
 
     def same(reference):
         if reference is None:
@@ -302,14 +354,22 @@ def summarize(config, concurrency, level, own_c1, mlx_lm_c1):
         pairs = [(r, reference[i]) for r, i in zip(level["results"], level["jobs"]) if i in reference]
         return f"{sum(not r['error'] and r['text'] == ref for r, ref in pairs)}/{len(pairs)}"
 
-    return dict(config=config, concurrency=concurrency, requests=len(level["results"]), ok=len(ok),
-                median_ttft_ms=1000 * statistics.median(ttfts) if ttfts else None,
-                median_decode_tok_s=statistics.median(decode) if decode else None,
-                aggregate_tok_s=sum(r["tokens"] for r in ok) / level["wall"], wall_s=level["wall"],
-                same_as_own_c1=same(own_c1), same_as_mlx_lm_c1=same(mlx_lm_c1),
-                cached_prompt_tokens=sum(((r["usage"] or {}).get("prompt_tokens_details") or {})
-                                         .get("cached_tokens", 0) for r in ok),
-                usage_missing=sum(r["usage"] is None for r in ok))
+    return dict(
+        config=config,
+        concurrency=concurrency,
+        requests=len(level["results"]),
+        ok=len(ok),
+        median_ttft_ms=1000 * statistics.median(ttfts) if ttfts else None,
+        median_decode_tok_s=statistics.median(decode) if decode else None,
+        aggregate_tok_s=sum(r["tokens"] for r in ok) / level["wall"],
+        wall_s=level["wall"],
+        same_as_own_c1=same(own_c1),
+        same_as_mlx_lm_c1=same(mlx_lm_c1),
+        cached_prompt_tokens=sum(
+            ((r["usage"] or {}).get("prompt_tokens_details") or {}).get("cached_tokens", 0) for r in ok
+        ),
+        usage_missing=sum(r["usage"] is None for r in ok),
+    )
 
 
 def c1_texts(run):
@@ -344,48 +404,72 @@ def fmt(value, spec):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--configs", default="mlx_lm,none,lookup,eagle,mtp,lookup/1,eagle/1",
-                        help="mlx_lm = mlx_lm.server; any other = mlx-spec serve --draft NAME")
+    parser.add_argument(
+        "--configs",
+        default="mlx_lm,none,lookup,eagle,mtp,lookup/1,eagle/1",
+        help="mlx_lm = mlx_lm.server; any other = mlx-spec serve --draft NAME",
+    )
     parser.add_argument("--concurrency", default="1,2,4,8", help="client threads per level")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=0, help="seed of the first prompt (temperature > 0)")
-    parser.add_argument("--seed-mlx-lm", action="store_true",
-                        help="send seeds to mlx_lm.server too (it then serves one request at a time)")
+    parser.add_argument(
+        "--seed-mlx-lm",
+        action="store_true",
+        help="send seeds to mlx_lm.server too (it then serves one request at a time)",
+    )
     parser.add_argument("--limit", type=int, default=None, help="the first N held-out prompts")
     parser.add_argument("--repeats", type=int, default=1, help="times each prompt goes per level")
     parser.add_argument("--timeout", type=float, default=600, help="seconds one request may take")
-    parser.add_argument("--start-timeout", type=float, default=600, help="seconds a server may take to come up")
-    parser.add_argument("--cold", action="store_true",
-                        help="a fresh server for each level: no prompt cached by an earlier level (batching alone)")
+    parser.add_argument(
+        "--start-timeout", type=float, default=600, help="seconds a server may take to come up"
+    )
+    parser.add_argument(
+        "--cold",
+        action="store_true",
+        help="a fresh server for each level: no prompt cached by an earlier level (batching alone)",
+    )
     parser.add_argument("--json", default=None, help="write every request's result here")
-    parser.add_argument("--report", default=None, metavar="JSON",
-                        help="print the tables of an earlier run's --json file (runs nothing)")
+    parser.add_argument(
+        "--report",
+        default=None,
+        metavar="JSON",
+        help="print the tables of an earlier run's --json file (runs nothing)",
+    )
     args = parser.parse_args()
     if args.report:
         data = json.loads(Path(args.report).read_text())
-        if "categories" not in data:   # files written before categories were stored
+        if "categories" not in data:  # files written before categories were stored
             by_prompt = dict(load_prompts(None))
             data["categories"] = [by_prompt.get(p) for p in data["prompts"]]
         report(data)
         return
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
     configs = args.configs.split(",")
-    signal.signal(signal.SIGTERM, interrupt)   # a SIGTERM here stops the servers too, as Ctrl-C does
+    signal.signal(signal.SIGTERM, interrupt)  # a SIGTERM here stops the servers too, as Ctrl-C does
 
     from mlx_spec.convert.default import default_model_path  # after argparse: --help stays quick
+
     model_dir = default_model_path(dtype="float32").resolve()
     prompts, categories = zip(*load_prompts(args.limit))
     runs = {}
     for config in configs:
         try:
             runs[config] = run_config(config, model_dir, prompts, args)
-        except RuntimeError as e:   # a server that did not come up: report it, measure the others
+        except RuntimeError as e:  # a server that did not come up: report it, measure the others
             print(e, file=sys.stderr)
 
-    data = dict(args=vars(args), model_dir=str(model_dir), prompts=prompts, categories=categories, summary=None,
-                runs={config: dict(model=run["model"], levels={str(c): level for c, level in run["levels"].items()})
-                      for config, run in runs.items()})
+    data = dict(
+        args=vars(args),
+        model_dir=str(model_dir),
+        prompts=prompts,
+        categories=categories,
+        summary=None,
+        runs={
+            config: dict(model=run["model"], levels={str(c): level for c, level in run["levels"].items()})
+            for config, run in runs.items()
+        },
+    )
     data["summary"] = report(data)
     if args.json:
         Path(args.json).write_text(json.dumps(data, indent=1))
@@ -396,24 +480,35 @@ def report(data):
     args, runs = argparse.Namespace(**data["args"]), data["runs"]
     levels = [str(c) for c in args.concurrency]
     mlx_lm_c1 = c1_texts(runs.get("mlx_lm"))
-    rows = [summarize(config, int(c), run["levels"][c], c1_texts(run), mlx_lm_c1)
-            for config, run in runs.items() for c in levels]
-    print(f"{len(data['prompts'])} prompts x {args.repeats}, max_tokens {args.max_tokens}, temperature {args.temperature}; "
-          f"weights {data['model_dir']}. mlx_lm = mlx_lm.server, batching at its defaults"
-          f"{(' (off: requests carry a seed)' if args.seed_mlx_lm else ' (requests carry no seed)') if args.temperature > 0 else ''}"
-          f"{'; a fresh server per level (--cold)' if args.cold else ''}"
-          "; others = mlx-spec serve --draft X (batched, --max-batch at its default), X/N: --max-batch N "
-          "(X/1: one request at a time). Decode tok/s = completion tokens / (total - TTFT), per request.\n")
-    print("| config | clients | ok | median TTFT ms | median decode tok/s | aggregate tok/s | = own c1 | = mlx_lm c1 |")
+    rows = [
+        summarize(config, int(c), run["levels"][c], c1_texts(run), mlx_lm_c1)
+        for config, run in runs.items()
+        for c in levels
+    ]
+    print(
+        f"{len(data['prompts'])} prompts x {args.repeats}, max_tokens {args.max_tokens}, temperature {args.temperature}; "
+        f"weights {data['model_dir']}. mlx_lm = mlx_lm.server, batching at its defaults"
+        f"{(' (off: requests carry a seed)' if args.seed_mlx_lm else ' (requests carry no seed)') if args.temperature > 0 else ''}"
+        f"{'; a fresh server per level (--cold)' if args.cold else ''}"
+        "; others = mlx-spec serve --draft X (batched, --max-batch at its default), X/N: --max-batch N "
+        "(X/1: one request at a time). Decode tok/s = completion tokens / (total - TTFT), per request.\n"
+    )
+    print(
+        "| config | clients | ok | median TTFT ms | median decode tok/s | aggregate tok/s | = own c1 | = mlx_lm c1 |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for row in rows:
-        print(f"| {row['config']} | {row['concurrency']} | {row['ok']}/{row['requests']} | "
-              f"{fmt(row['median_ttft_ms'], '.0f')} | {fmt(row['median_decode_tok_s'], '.1f')} | "
-              f"{row['aggregate_tok_s']:.1f} | {row['same_as_own_c1']} | {row['same_as_mlx_lm_c1']} |")
+        print(
+            f"| {row['config']} | {row['concurrency']} | {row['ok']}/{row['requests']} | "
+            f"{fmt(row['median_ttft_ms'], '.0f')} | {fmt(row['median_decode_tok_s'], '.1f')} | "
+            f"{row['aggregate_tok_s']:.1f} | {row['same_as_own_c1']} | {row['same_as_mlx_lm_c1']} |"
+        )
     for row in rows:
         if row["usage_missing"]:
-            print(f"\n{row['config']} x{row['concurrency']}: {row['usage_missing']} replies without usage "
-                  "(tokens counted as content deltas)")
+            print(
+                f"\n{row['config']} x{row['concurrency']}: {row['usage_missing']} replies without usage "
+                "(tokens counted as content deltas)"
+            )
     categories = data.get("categories")
     if categories and "mlx_lm" in runs:
         # Where drafts are good shows per category: tokens per request-second against mlx_lm.server's
@@ -427,13 +522,18 @@ def report(data):
                 continue
             for c in levels:
                 base, rates = (category_rates(r["levels"][c], categories) for r in (runs["mlx_lm"], run))
-                print(f"| {config} | {c} | " + " | ".join(
-                    fmt(rates[n] / base[n] if n in rates and n in base else None, ".2f") for n in names) + " |")
+                print(
+                    f"| {config} | {c} | "
+                    + " | ".join(
+                        fmt(rates[n] / base[n] if n in rates and n in base else None, ".2f") for n in names
+                    )
+                    + " |"
+                )
     return rows
 
 
 if __name__ == "__main__":
     try:
         main()
-    except KeyboardInterrupt:   # the servers were stopped on the way out
+    except KeyboardInterrupt:  # the servers were stopped on the way out
         sys.exit("interrupted")

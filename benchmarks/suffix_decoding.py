@@ -58,7 +58,9 @@ def answer(engine, tokenizer, turns, max_tokens):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--workloads", default="edit,structured,requote")
     parser.add_argument("--max-tokens", type=int, default=200)
     parser.add_argument("--repeats", type=int, default=3)
@@ -88,29 +90,50 @@ def main():
             (first if sets[item["question_id"]] == "first" else second).append(item)
 
     memory_file = Path(tempfile.mkdtemp()) / "memory.npz"
-    filler = Engine(target, SuffixDrafter(16, SuffixMemory(memory_file, vocabulary)), num_draft_tokens=12,
-                    sampling=sampling, seed=args.seed)
+    filler = Engine(
+        target,
+        SuffixDrafter(16, SuffixMemory(memory_file, vocabulary)),
+        num_draft_tokens=12,
+        sampling=sampling,
+        seed=args.seed,
+    )
     for item in first:
         answer(filler, target.tokenizer, item["turns"], args.max_tokens)
     memory = SuffixMemory(memory_file, vocabulary, learn_now=False)
-    memory_tokens = len(memory)   # before the timed run, which adds its outputs to the file
-    print(f"memory after the first set: {memory_tokens} tokens of {len(memory.outputs)} outputs", file=sys.stderr)
+    memory_tokens = len(memory)  # before the timed run, which adds its outputs to the file
+    print(
+        f"memory after the first set: {memory_tokens} tokens of {len(memory.outputs)} outputs",
+        file=sys.stderr,
+    )
 
-    drafters = {"lookup": (LookupDrafter(), 10, True), "suffix": (SuffixDrafter(16, memory), 12, True),
-                "suffix, no memory": (SuffixDrafter(16, None), 12, True)}
+    drafters = {
+        "lookup": (LookupDrafter(), 10, True),
+        "suffix": (SuffixDrafter(16, memory), 12, True),
+        "suffix, no memory": (SuffixDrafter(16, None), 12, True),
+    }
     try:
         drafters["rapid-mlx suffix"] = (rapid_mlx_drafter(), 8, False)
     except ImportError as e:
         print(f"the peer is left out: {e} (pip install --no-deps rapid-mlx)", file=sys.stderr)
-    engines = {name: Engine(target, drafter, num_draft_tokens=k, sampling=sampling, seed=args.seed, adaptive=adaptive)
-               for name, (drafter, k, adaptive) in drafters.items()}
+    engines = {
+        name: Engine(
+            target, drafter, num_draft_tokens=k, sampling=sampling, seed=args.seed, adaptive=adaptive
+        )
+        for name, (drafter, k, adaptive) in drafters.items()
+    }
     records = harness.run_bench(target, engines, second, args.max_tokens, args.repeats, sampling, args.seed)
     rows = harness.summarize(records)
     print(harness.render_table(rows))
     meta = harness.machine_info(target, {})
-    meta.update(max_tokens=args.max_tokens, repeats=args.repeats, temp=args.temp, workloads=args.workloads,
-                memory_tokens=memory_tokens, peer="rapid-mlx " + _version("rapid-mlx"),
-                note="second set of each workload, timed; the first set filled the suffix memory")
+    meta.update(
+        max_tokens=args.max_tokens,
+        repeats=args.repeats,
+        temp=args.temp,
+        workloads=args.workloads,
+        memory_tokens=memory_tokens,
+        peer="rapid-mlx " + _version("rapid-mlx"),
+        note="second set of each workload, timed; the first set filled the suffix memory",
+    )
     if args.json_path:
         harness.write_json(args.json_path, meta, rows, records)
     if args.markdown_path:

@@ -45,6 +45,7 @@ def main():
                 logits, _ = target.forward(tokens, cache, ())
                 rollback_to(cache, context, None)  # lazy: the step reads what it wrote before the trim
                 return logits
+
             return step
 
         ms = interleaved_medians([verification(w) for w in WIDTHS], args.reps, args.runs)

@@ -30,18 +30,47 @@ from mlx_spec.models.target import Target
 
 
 def shapes(window):
-    common = dict(hidden_size=64, num_hidden_layers=4, intermediate_size=128, num_attention_heads=4,
-                  num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=32, max_position_embeddings=4096,
-                  rope_theta=10000.0, tie_word_embeddings=False, head_dim=16, sliding_window=window)
+    common = dict(
+        hidden_size=64,
+        num_hidden_layers=4,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-5,
+        vocab_size=32,
+        max_position_embeddings=4096,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        head_dim=16,
+        sliding_window=window,
+    )
     return {
-        "gemma3_text": dict(common, model_type="gemma3_text", sliding_window_pattern=2, query_pre_attn_scalar=16),
-        "gpt_oss": dict(common, model_type="gpt_oss", num_local_experts=4, num_experts_per_tok=2,
-                        layer_types=["sliding_attention", "full_attention"] * 2),
+        "gemma3_text": dict(
+            common, model_type="gemma3_text", sliding_window_pattern=2, query_pre_attn_scalar=16
+        ),
+        "gpt_oss": dict(
+            common,
+            model_type="gpt_oss",
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            layer_types=["sliding_attention", "full_attention"] * 2,
+        ),
         # Llama 4: chunked attention (ChunkedKVCache) in three layers of four
-        "llama4": dict(model_type="llama4", text_config=dict(
-            common, model_type="llama4_text", attention_bias=False, attention_chunk_size=window,
-            interleave_moe_layer_step=2, intermediate_size_mlp=128, num_experts_per_tok=1, num_local_experts=2,
-            rope_scaling=None, use_qk_norm=True)),
+        "llama4": dict(
+            model_type="llama4",
+            text_config=dict(
+                common,
+                model_type="llama4_text",
+                attention_bias=False,
+                attention_chunk_size=window,
+                interleave_moe_layer_step=2,
+                intermediate_size_mlp=128,
+                num_experts_per_tok=1,
+                num_local_experts=2,
+                rope_scaling=None,
+                use_qk_norm=True,
+            ),
+        ),
     }
 
 
@@ -58,6 +87,7 @@ def tiny(config, seed):
 
 class Counting(Engine):
     """Counts rebuilds: resets of a cache that held tokens."""
+
     rebuilds = 0
 
     def reset(self):
@@ -73,7 +103,10 @@ def main():
     for window in (8, 32):
         for arch, config in shapes(window).items():
             target = tiny(config, 0)
-            for name, drafter in (("lookup", LookupDrafter()), ("draft model", DraftModelDrafter(tiny(config, 4), 32))):
+            for name, drafter in (
+                ("lookup", LookupDrafter()),
+                ("draft model", DraftModelDrafter(tiny(config, 4), 32)),
+            ):
                 engine = Counting(target, drafter, num_draft_tokens=4, adaptive=False)
                 context, steps, rollbacks = list(prompt), 0, 0
                 for _turn in range(3):
@@ -89,7 +122,9 @@ def main():
                 # far behind the window (mlx-lm's own prompt cache cannot trim back there either).
                 for _ in engine.generate(prompt[:10] + [3, 4], max_tokens=20):
                     pass
-                print(f"| {arch} | {window} | {name} | {steps} | {rollbacks} | {engine.rebuilds} |", flush=True)
+                print(
+                    f"| {arch} | {window} | {name} | {steps} | {rollbacks} | {engine.rebuilds} |", flush=True
+                )
 
 
 if __name__ == "__main__":

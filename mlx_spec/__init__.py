@@ -23,9 +23,12 @@ def _load_optimized_blas():
         # Too late: MLX has resolved its BLAS symbols. Silent, this halves the speed of a script
         # that imports mlx first (the target's output layer: 25 ms instead of 11 ms here).
         if found:
-            warnings.warn("mlx.core was imported before mlx_spec, so MLX keeps its reference BLAS "
-                          "(float32 matmuls 2-30x slower on the CPU): import mlx_spec first",
-                          RuntimeWarning, stacklevel=3)
+            warnings.warn(
+                "mlx.core was imported before mlx_spec, so MLX keeps its reference BLAS "
+                "(float32 matmuls 2-30x slower on the CPU): import mlx_spec first",
+                RuntimeWarning,
+                stacklevel=3,
+            )
         return None
     for path in found:
         try:

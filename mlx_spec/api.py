@@ -40,7 +40,7 @@ def draft_model_path(method: str, draft_model: Optional[str]) -> Optional[str]:
     takes none: the registry then says so)."""
     from .drafters import DRAFTERS, check_method
 
-    if method == "auto":   # it takes none: auto.choose says so
+    if method == "auto":  # it takes none: auto.choose says so
         return draft_model
     if draft_model and "draft_model" in DRAFTERS[check_method(method)].options.names():
         return str(resolve(draft_model, None, "draft model"))
@@ -51,8 +51,8 @@ def draft_model_path(method: str, draft_model: Optional[str]) -> Optional[str]:
 class Loaded:
     engine: Engine
     tokenizer: Any
-    draft: str                  # the source it runs (what --draft auto chose)
-    why: Optional[str] = None   # why --draft auto chose it
+    draft: str  # the source it runs (what --draft auto chose)
+    why: Optional[str] = None  # why --draft auto chose it
 
 
 def load(path_or_hf_repo: Optional[str] = None, **settings):
@@ -85,7 +85,9 @@ def load_model(path_or_hf_repo: Optional[str] = None, confirm=None, **settings) 
     _refuse_sampler(settings)
     config = EngineConfig.of(path_or_hf_repo=path_or_hf_repo, **settings)
     draft = config.draft
-    config = replace(config, draft=replace(draft, draft_model=draft_model_path(draft.draft, draft.draft_model)))
+    config = replace(
+        config, draft=replace(draft, draft_model=draft_model_path(draft.draft, draft.draft_model))
+    )
     path = model_path(config.model.path_or_hf_repo, config.model.revision)
     if config.split.sharding:
         if config.draft.draft == "auto":
@@ -98,8 +100,11 @@ def load_model(path_or_hf_repo: Optional[str] = None, confirm=None, **settings) 
     else:
         loaded = Loaded(build_engine(target, config), target.tokenizer, config.draft.draft)
     if config.cache.max_kv_size and not is_bounded(loaded.engine.cache):
-        print(f"mlx-spec: --max-kv-size: this {target.model_type} model builds its own cache, which mlx-lm "
-              "does not bound either", file=sys.stderr)
+        print(
+            f"mlx-spec: --max-kv-size: this {target.model_type} model builds its own cache, which mlx-lm "
+            "does not bound either",
+            file=sys.stderr,
+        )
     return loaded
 
 
@@ -115,14 +120,16 @@ def _load_split(path, config):
         split.follow(**engine_settings(config))
         sys.exit(0)
     engine = build_engine(split.target, config, split)
-    atexit.register(engine.close)   # for a caller that never closes it
+    atexit.register(engine.close)  # for a caller that never closes it
     return engine, split.target.tokenizer
 
 
 def _refuse_sampler(settings: dict) -> None:
     if "sampler" in settings:
-        raise MlxSpecError("mlx-spec samples from the target's distribution itself (exactly, whatever "
-                           "the drafts): pass temp, top_p, top_k, min_p instead of a sampler")
+        raise MlxSpecError(
+            "mlx-spec samples from the target's distribution itself (exactly, whatever "
+            "the drafts): pass temp, top_p, top_k, min_p instead of a sampler"
+        )
 
 
 def sampling_params(temp: float = 0.0, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0, **unknown):
@@ -130,8 +137,10 @@ def sampling_params(temp: float = 0.0, top_p: float = 1.0, top_k: int = 0, min_p
 
     _refuse_sampler(unknown)
     if unknown:
-        raise MlxSpecError(f"unknown argument {sorted(unknown)[0]!r}: mlx-spec takes temp, top_p, top_k, "
-                           "min_p, seed, max_tokens, stop")
+        raise MlxSpecError(
+            f"unknown argument {sorted(unknown)[0]!r}: mlx-spec takes temp, top_p, top_k, "
+            "min_p, seed, max_tokens, stop"
+        )
     return SamplingParams(temp=float(temp), top_p=float(top_p), top_k=int(top_k), min_p=float(min_p))
 
 
@@ -140,15 +149,16 @@ class GenerationResponse:
     """One piece of `stream_generate`'s output: mlx-lm's fields (but logprobs) and the
     speculative statistics so far. The last response has finish_reason ("stop": end of text or
     a stop string; "length": max_tokens) and `stats`, the whole record of the generation."""
+
     text: str
-    token: Optional[int]           # None only where the reply ended before its first token
-    from_draft: bool               # an accepted draft, not the target's own token
+    token: Optional[int]  # None only where the reply ended before its first token
+    from_draft: bool  # an accepted draft, not the target's own token
     prompt_tokens: int
-    prompt_tps: Optional[float]    # None: no prompt token computed apart from the first step's
+    prompt_tps: Optional[float]  # None: no prompt token computed apart from the first step's
     generation_tokens: int
     generation_tps: float
-    peak_memory: float             # GB
-    steps: int                     # verification steps so far
+    peak_memory: float  # GB
+    steps: int  # verification steps so far
     tokens_per_step: float
     acceptance_rate: float
     finish_reason: Optional[str] = None
@@ -175,8 +185,11 @@ def _encode(tokenizer, prompt, tools=None, chat_template_kwargs=None) -> List[in
             raise MlxSpecError("this model has no chat template: give the prompt as text or token ids")
         if tools and not getattr(tokenizer, "has_tool_calling", False):
             raise MlxSpecError("this model's chat template has no tool calling: drop tools")
-        return list(tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, tools=tools or None,
-                                                  **(chat_template_kwargs or {})))
+        return list(
+            tokenizer.apply_chat_template(
+                list(prompt), add_generation_prompt=True, tools=tools or None, **(chat_template_kwargs or {})
+            )
+        )
     if isinstance(prompt, str):
         # As mlx-lm: a prompt that already starts with the BOS token gets no second one.
         bos = getattr(tokenizer, "bos_token", None)
@@ -199,14 +212,23 @@ class Responses:
         elapsed = time.perf_counter() - self.start - stats.prompt_seconds
         logprobs = token.logprobs if token is not None else None
         return GenerationResponse(
-            text=token.text if token else "", token=token.id if token else None,
-            from_draft=bool(token and token.from_draft), prompt_tokens=stats.prompt_tokens,
-            prompt_tps=stats.prompt_tokens_per_second, generation_tokens=stats.generated_tokens,
+            text=token.text if token else "",
+            token=token.id if token else None,
+            from_draft=bool(token and token.from_draft),
+            prompt_tokens=stats.prompt_tokens,
+            prompt_tps=stats.prompt_tokens_per_second,
+            generation_tokens=stats.generated_tokens,
             generation_tps=stats.generated_tokens / elapsed if elapsed > 0 else 0.0,
-            peak_memory=mx.get_peak_memory() / 1e9, steps=stats.steps,
-            tokens_per_step=stats.tokens_per_step, acceptance_rate=stats.acceptance_rate,
-            **(dict(logprobs=logprobs.distribution, logprob=logprobs.logprob, top_logprobs=logprobs.top)
-               if logprobs is not None else {}))
+            peak_memory=mx.get_peak_memory() / 1e9,
+            steps=stats.steps,
+            tokens_per_step=stats.tokens_per_step,
+            acceptance_rate=stats.acceptance_rate,
+            **(
+                dict(logprobs=logprobs.distribution, logprob=logprobs.logprob, top_logprobs=logprobs.top)
+                if logprobs is not None
+                else {}
+            ),
+        )
 
     def add(self, event: Event) -> Iterator[GenerationResponse]:
         if isinstance(event, Prefilled):
@@ -236,23 +258,38 @@ def sampling_and_seed(model: Engine, seed: Optional[int], sampling: dict):
 Prompt = Union[str, Sequence[int], Sequence[dict]]
 
 
-def generation_options(tokenizer, logits_processors=None, logprobs: bool = False, top_logprobs: int = 0,
-                       prediction=None) -> GenerationOptions:
+def generation_options(
+    tokenizer, logits_processors=None, logprobs: bool = False, top_logprobs: int = 0, prediction=None
+) -> GenerationOptions:
     """A call's GenerationOptions: mlx-lm's logits processors (make_logits_processors: pure
     functions of the tokens before a position and its logits), logprobs (and the top_logprobs
     most likely alternatives), a prediction of the reply (text or token ids) that drafts too."""
     if isinstance(prediction, str):
         prediction = tokenizer.encode(prediction, add_special_tokens=False)
     asked = bool(logprobs or top_logprobs)
-    return GenerationOptions(logits_processors=tuple(logits_processors or ()),
-                             logprobs=top_logprobs if asked else None, distribution=asked,
-                             prediction=tuple(int(t) for t in prediction or ()))
+    return GenerationOptions(
+        logits_processors=tuple(logits_processors or ()),
+        logprobs=top_logprobs if asked else None,
+        distribution=asked,
+        prediction=tuple(int(t) for t in prediction or ()),
+    )
 
 
-def stream_generate(model: Engine, tokenizer, prompt: Prompt, max_tokens: int = 256, stop: Sequence[str] = (),
-                    seed: Optional[int] = None, logits_processors=None, logprobs: bool = False,
-                    top_logprobs: int = 0, prediction=None, tools=None, chat_template_kwargs=None,
-                    **sampling) -> Iterator[GenerationResponse]:
+def stream_generate(
+    model: Engine,
+    tokenizer,
+    prompt: Prompt,
+    max_tokens: int = 256,
+    stop: Sequence[str] = (),
+    seed: Optional[int] = None,
+    logits_processors=None,
+    logprobs: bool = False,
+    top_logprobs: int = 0,
+    prediction=None,
+    tools=None,
+    chat_template_kwargs=None,
+    **sampling,
+) -> Iterator[GenerationResponse]:
     """Yield a GenerationResponse per generated token (text segments as they are committed).
     prompt: a list of messages (the chat template applied, with `tools` and
     `chat_template_kwargs`), text (encoded as is, as mlx-lm does: no chat template) or token ids.
@@ -262,21 +299,37 @@ def stream_generate(model: Engine, tokenizer, prompt: Prompt, max_tokens: int = 
     params, seed = sampling_and_seed(model, seed, sampling)
     options = generation_options(tokenizer, logits_processors, logprobs, top_logprobs, prediction)
     responses = Responses()
-    for event in model.generate(_encode(tokenizer, prompt, tools, chat_template_kwargs), max_tokens=max_tokens,
-                                stop_strings=list(stop), sampling=params, seed=seed, options=options):
+    for event in model.generate(
+        _encode(tokenizer, prompt, tools, chat_template_kwargs),
+        max_tokens=max_tokens,
+        stop_strings=list(stop),
+        sampling=params,
+        seed=seed,
+        options=options,
+    ):
         yield from responses.add(event)
     yield responses.last()
 
 
 @dataclass
 class BatchResponse:
-    texts: List[str]              # in the order of the prompts
-    stats: List[Stats]            # each generation's, in the same order
+    texts: List[str]  # in the order of the prompts
+    stats: List[Stats]  # each generation's, in the same order
 
 
-def batch_generate(model: Engine, tokenizer, prompts: Sequence[Prompt], max_tokens: int = 256,
-                   max_batch: int = 8, stop: Sequence[str] = (), seed: Optional[int] = None,
-                   logits_processors=None, tools=None, chat_template_kwargs=None, **sampling) -> BatchResponse:
+def batch_generate(
+    model: Engine,
+    tokenizer,
+    prompts: Sequence[Prompt],
+    max_tokens: int = 256,
+    max_batch: int = 8,
+    stop: Sequence[str] = (),
+    seed: Optional[int] = None,
+    logits_processors=None,
+    tools=None,
+    chat_template_kwargs=None,
+    **sampling,
+) -> BatchResponse:
     """Generate for several prompts at once, as mlx-lm's batch_generate: up to max_batch share
     each target pass (continuous batching: a prompt starts as another finishes), each with the
     engine's draft source, each what `generate` alone would write (prompt i samples with seed
@@ -287,9 +340,17 @@ def batch_generate(model: Engine, tokenizer, prompts: Sequence[Prompt], max_toke
     params, seed = sampling_and_seed(model, seed, sampling)
     batch = BatchEngine.spawned(model, min(max_batch, max(1, len(prompts))))
     options = generation_options(tokenizer, logits_processors)
-    requests = [dict(prompt=_encode(tokenizer, prompt, tools, chat_template_kwargs), max_tokens=max_tokens,
-                     stop_strings=list(stop), sampling=params, seed=None if seed is None else seed + i,
-                     options=options) for i, prompt in enumerate(prompts)]
+    requests = [
+        dict(
+            prompt=_encode(tokenizer, prompt, tools, chat_template_kwargs),
+            max_tokens=max_tokens,
+            stop_strings=list(stop),
+            sampling=params,
+            seed=None if seed is None else seed + i,
+            options=options,
+        )
+        for i, prompt in enumerate(prompts)
+    ]
     collected = [Collector() for _ in prompts]
     for i, event in batch.generate_all(requests):
         if isinstance(collected[i].add(event), Failed):
@@ -316,8 +377,12 @@ def count(n: int, noun: str) -> str:
     return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
-ENDINGS = {"eos": "ended by end of text", "length": "cut at --max-tokens", "stop": "ended by a stop string",
-           "interrupted": "interrupted"}
+ENDINGS = {
+    "eos": "ended by end of text",
+    "length": "cut at --max-tokens",
+    "stop": "ended by a stop string",
+    "interrupted": "interrupted",
+}
 
 
 def stats_line(stats, speculative: bool = True, sampled: bool = False) -> str:
@@ -327,10 +392,14 @@ def stats_line(stats, speculative: bool = True, sampled: bool = False) -> str:
     sampled reply."""
     cached = f" ({stats.prompt_cached} cached)" if stats.prompt_cached else ""
     rate = stats.prompt_tokens_per_second
-    parts = [f"prompt: {count(stats.prompt_tokens, 'token')}{cached}" + (f", {rate:.1f} tok/s" if rate else "")]
+    parts = [
+        f"prompt: {count(stats.prompt_tokens, 'token')}{cached}" + (f", {rate:.1f} tok/s" if rate else "")
+    ]
     ending = ENDINGS.get(stats.finish_reason)
-    parts.append(f"reply: {count(stats.generated_tokens, 'token')}, {stats.tokens_per_second:.1f} tok/s"
-                 + (f", {ending}" if ending else ""))
+    parts.append(
+        f"reply: {count(stats.generated_tokens, 'token')}, {stats.tokens_per_second:.1f} tok/s"
+        + (f", {ending}" if ending else "")
+    )
     if not speculative:
         parts.append(f"{count(stats.steps, 'step')} (no drafting)")
     else:
@@ -339,9 +408,12 @@ def stats_line(stats, speculative: bool = True, sampled: bool = False) -> str:
             eos = ", end of text included" if stats.finish_reason == "eos" else ""
             committed = f" ({stats.committed_tokens} committed{eos})"
         parts.append(f"{count(stats.steps, 'step')}, {stats.tokens_per_step:.2f} tokens/step{committed}")
-        parts.append(f"drafts: {stats.verified_drafts} verified, {stats.accepted_drafts} accepted "
-                     f"({stats.acceptance_rate:.0%}); {count(stats.plain_steps, 'plain step')} (no draft verified)"
-                     if stats.verified_drafts else "drafts: none verified")
+        parts.append(
+            f"drafts: {stats.verified_drafts} verified, {stats.accepted_drafts} accepted "
+            f"({stats.acceptance_rate:.0%}); {count(stats.plain_steps, 'plain step')} (no draft verified)"
+            if stats.verified_drafts
+            else "drafts: none verified"
+        )
     if sampled:
         parts.append(f"seed {stats.seed}")
     return " | ".join(parts)

@@ -33,17 +33,17 @@ SOURCE_OPTIONS = ("draft_model", "ngram_max", "ngram_min", "tree_budget", "tree_
 
 @dataclass(frozen=True)
 class Published:
-    target: str          # the repo id the drafter was trained for
-    kind: str            # the --draft value that reads it
-    repo: str            # the drafter's repo id
+    target: str  # the repo id the drafter was trained for
+    kind: str  # the --draft value that reads it
+    repo: str  # the drafter's repo id
     notes: str = ""
 
 
 @dataclass(frozen=True)
 class Choice:
-    draft: str                    # the --draft value chosen
-    draft_model: Optional[str]    # its checkpoint directory (None: the source needs none, or finds it)
-    why: str                      # one line: what was chosen and why
+    draft: str  # the --draft value chosen
+    draft_model: Optional[str]  # its checkpoint directory (None: the source needs none, or finds it)
+    why: str  # one line: what was chosen and why
 
 
 def name_key(name: str) -> str:
@@ -52,15 +52,22 @@ def name_key(name: str) -> str:
 
 
 def registry() -> List[Published]:
-    return [Published(target, **drafter) for target, drafters in json.loads(REGISTRY.read_text()).items()
-            for drafter in drafters]
+    return [
+        Published(target, **drafter)
+        for target, drafters in json.loads(REGISTRY.read_text()).items()
+        for drafter in drafters
+    ]
 
 
 def model_names(path) -> List[str]:
     """The names a model goes by: its repo id where it lies in the Hugging Face cache
     (models--ORG--NAME/snapshots/REV), and its directory's name."""
     path = Path(path)
-    names = [f"{part[len('models--'):].replace('--', '/', 1)}" for part in path.parts if part.startswith("models--")]
+    names = [
+        f"{part[len('models--') :].replace('--', '/', 1)}"
+        for part in path.parts
+        if part.startswith("models--")
+    ]
     return names + [path.name]
 
 
@@ -91,7 +98,9 @@ def offline() -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
 
 
-def _fetch(entry: Published, download: bool, confirm: Optional[Callable[[str], bool]], note) -> Optional[Path]:
+def _fetch(
+    entry: Published, download: bool, confirm: Optional[Callable[[str], bool]], note
+) -> Optional[Path]:
     """The drafter's directory: from the hub cache, or downloaded where allowed; None otherwise."""
     from .hub import cached, resolve
 
@@ -99,11 +108,17 @@ def _fetch(entry: Published, download: bool, confirm: Optional[Callable[[str], b
     if path is not None:
         return path
     if offline():
-        note(f"{entry.repo} (--draft {entry.kind}) is registered for this model but not in the Hugging Face cache, "
-             "and HF_HUB_OFFLINE is set")
+        note(
+            f"{entry.repo} (--draft {entry.kind}) is registered for this model but not in the Hugging Face cache, "
+            "and HF_HUB_OFFLINE is set"
+        )
         return None
-    if not download and not (confirm and confirm(f"Download {entry.repo}, a {entry.kind} drafter for this model, "
-                                                 "from the Hugging Face hub?")):
+    if not download and not (
+        confirm
+        and confirm(
+            f"Download {entry.repo}, a {entry.kind} drafter for this model, from the Hugging Face hub?"
+        )
+    ):
         note(f"{entry.repo} (--draft {entry.kind}) is registered for this model: --yes downloads it")
         return None
     return resolve(entry.repo, None, "drafter")
@@ -117,15 +132,19 @@ def _fits(entry: Published, path: Path, target, names) -> Optional[str]:
     declared = declared_target(read_config(path, "drafter"))
     if declared and not any(_matches(name_key(declared), name_key(n)) for n in names):
         return f"its config names the target {declared}"
-    try:   # loaded here to check it, again by the engine (mlx loads weights lazily: little is read twice)
+    try:  # loaded here to check it, again by the engine (mlx loads weights lazily: little is read twice)
         make_drafter(entry.kind, target, {"draft_model": str(path)})
     except MlxSpecError as e:
         return str(e)
     return None
 
 
-def choose(target, config: EngineConfig, confirm: Optional[Callable[[str], bool]] = None,
-           note: Callable[[str], None] = lambda line: print(f"mlx-spec: {line}", file=sys.stderr)) -> Choice:
+def choose(
+    target,
+    config: EngineConfig,
+    confirm: Optional[Callable[[str], bool]] = None,
+    note: Callable[[str], None] = lambda line: print(f"mlx-spec: {line}", file=sys.stderr),
+) -> Choice:
     """The source --draft auto runs for `target`. confirm(question): may a drafter not in the
     cache be downloaded (None: only with config.draft.download_drafter); note(line): where
     what was passed over is said."""
@@ -133,8 +152,10 @@ def choose(target, config: EngineConfig, confirm: Optional[Callable[[str], bool]
 
     given = [name for name in SOURCE_OPTIONS if getattr(config.draft, name) is not None]
     if given:
-        raise MlxSpecError(f"--draft auto picks the source and its drafter: drop --{given[0].replace('_', '-')}, "
-                           "or name the source with --draft")
+        raise MlxSpecError(
+            f"--draft auto picks the source and its drafter: drop --{given[0].replace('_', '-')}, "
+            "or name the source with --draft"
+        )
     if config.split.sharding:
         raise MlxSpecError(SPLIT_REFUSED)
     if target.path and own_mtp_module(target) is not None:
@@ -146,7 +167,9 @@ def choose(target, config: EngineConfig, confirm: Optional[Callable[[str], bool]
             continue
         why_not = _fits(entry, path, target, names)
         if why_not:
-            note(f"{entry.repo} is registered for {entry.target} but does not fit this model ({why_not}): passed over")
+            note(
+                f"{entry.repo} is registered for {entry.target} but does not fit this model ({why_not}): passed over"
+            )
             continue
         return Choice(entry.kind, str(path), f"{entry.repo}, published for {entry.target}")
     return Choice("suffix", None, "no MTP module and no published drafter in the cache for this model")
@@ -155,8 +178,11 @@ def choose(target, config: EngineConfig, confirm: Optional[Callable[[str], bool]
 def auto_engine(target, config: EngineConfig, confirm=None, note=None):
     """(engine, choice) of --draft auto."""
     choice = choose(target, config, confirm, **({"note": note} if note else {}))
-    source = DRAFTERS[choice.draft]   # --suffix-memory and --stop-early where the choice reads them
-    chosen = config.with_draft(choice.draft, draft_model=choice.draft_model,
-                               suffix_memory=config.draft.suffix_memory if "suffix_memory" in source.options.names()
-                               else None, stop_early=config.draft.stop_early and source.stops_early)
+    source = DRAFTERS[choice.draft]  # --suffix-memory and --stop-early where the choice reads them
+    chosen = config.with_draft(
+        choice.draft,
+        draft_model=choice.draft_model,
+        suffix_memory=config.draft.suffix_memory if "suffix_memory" in source.options.names() else None,
+        stop_early=config.draft.stop_early and source.stops_early,
+    )
     return build_engine(target, chosen), choice

@@ -38,15 +38,15 @@ def _check(engine: Engine) -> None:
         raise MlxSpecError(f"requests cannot share a pass: {reason}")
 
 
-@dataclass(eq=False)   # a row is itself, whatever it holds
+@dataclass(eq=False)  # a row is itself, whatever it holds
 class Row:
     engine: Engine
-    run: Generator                      # engine.run(...)
-    index: int = -1                     # its row in the batch's cache; -1 until it joins
+    run: Generator  # engine.run(...)
+    index: int = -1  # its row in the batch's cache; -1 until it joins
     started: bool = False
-    verdict: Optional[Verdict] = None   # the last pass's, sent at the next step
+    verdict: Optional[Verdict] = None  # the last pass's, sent at the next step
     pending: Optional[PendingVerification] = field(default=None, repr=False)
-    prefill: Optional[PendingPrefill] = field(default=None, repr=False)   # its prompt's next chunk
+    prefill: Optional[PendingPrefill] = field(default=None, repr=False)  # its prompt's next chunk
 
 
 class BatchEngine:
@@ -74,12 +74,19 @@ class BatchEngine:
         """engine and max_batch - 1 engines spawned from it (the same drafter weights)."""
         if max_batch < 1:
             raise MlxSpecError(f"--max-batch must be >= 1, got {max_batch}")
-        _check(engine)   # before spawning copies of what cannot batch
+        _check(engine)  # before spawning copies of what cannot batch
         return cls([engine] + [engine.spawn() for _ in range(max_batch - 1)])
 
-    def add(self, prompt: Sequence[int], max_tokens: int = 256, stop_strings: Sequence[str] = (),
-            sampling: Optional[SamplingParams] = None, seed: Optional[int] = None,
-            options: GenerationOptions = GenerationOptions(), engine: Optional[Engine] = None) -> Row:
+    def add(
+        self,
+        prompt: Sequence[int],
+        max_tokens: int = 256,
+        stop_strings: Sequence[str] = (),
+        sampling: Optional[SamplingParams] = None,
+        seed: Optional[int] = None,
+        options: GenerationOptions = GenerationOptions(),
+        engine: Optional[Engine] = None,
+    ) -> Row:
         """A new generation (Engine.generate's arguments), started at the next step. engine: the
         idle one to run it (a server picks the one holding the conversation); default any."""
         if not self.idle:
@@ -106,7 +113,7 @@ class BatchEngine:
         """Stop a generation now (a client gone). Its conversation is dropped: the step it was
         in never committed."""
         row.run.close()
-        if row in self.rows:   # not already gone (a step that failed)
+        if row in self.rows:  # not already gone (a step that failed)
             self._leave(row)
         row.engine.reset()
 
@@ -118,13 +125,13 @@ class BatchEngine:
         order."""
         events = []
         for row in list(self.rows):
-            if row.prefill is None:   # else it waits for its prompt's next chunk
+            if row.prefill is None:  # else it waits for its prompt's next chunk
                 self._advance(row, row.verdict, events)
         prefills = [(row, row.prefill) for row in self.rows if row.prefill is not None]
         if prefills:
             try:
                 filled = self._prefill(prefills)
-            except Exception as e:   # the new rows fail; the others go on
+            except Exception as e:  # the new rows fail; the others go on
                 for row, _ in prefills:
                     self._fail(row, e, events)
                 filled = []
@@ -149,7 +156,7 @@ class BatchEngine:
         except StopIteration:
             self._leave(row)
             return
-        except Exception as e:   # this row's alone (a prompt too long): the others go on
+        except Exception as e:  # this row's alone (a prompt too long): the others go on
             self._fail(row, e, events)
             return
         if isinstance(event, PendingVerification):
@@ -169,7 +176,7 @@ class BatchEngine:
         as the shortest still needs, so no pass computes padding and there are no more passes
         than rows (a prefill of a few dozen tokens is far from filling the CPU: several cost
         little more than one). Each row's taps."""
-        todo = [p.tokens[len(row.engine.cached_tokens):] for row, p in prefills]
+        todo = [p.tokens[len(row.engine.cached_tokens) :] for row, p in prefills]
         rows = [row for (row, _), tokens in zip(prefills, todo) if tokens]
         todo = [tokens for tokens in todo if tokens]
         pieces = {id(row): {} for row, _ in prefills}
@@ -177,22 +184,27 @@ class BatchEngine:
         for row in rows:
             for batch, own in zip(cache, row.engine.cache):
                 batch.add(own)
-        done, active = [0] * len(rows), list(range(len(rows)))   # active[i]: the row in cache row i
+        done, active = [0] * len(rows), list(range(len(rows)))  # active[i]: the row in cache row i
         while active:
             width = min(PREFILL_CHUNK, *(len(todo[b]) - done[b] for b in active))
-            chunks = [todo[b][done[b]:done[b] + width] for b in active]
+            chunks = [todo[b][done[b] : done[b] + width] for b in active]
             _, taps = self.target.forward(mx.array(chunks, mx.int32), cache, self.taps)
             mx.eval([c.state for c in cache], taps)
             for i, (b, chunk) in enumerate(zip(active, chunks)):
-                own = {layer: mx.take(taps[layer], mx.array([i]), axis=0) for layer in rows[b].engine.drafter.taps}
+                own = {
+                    layer: mx.take(taps[layer], mx.array([i]), axis=0)
+                    for layer in rows[b].engine.drafter.taps
+                }
                 rows[b].engine.filled(chunk, own, pieces[id(rows[b])])
                 done[b] += width
-            for i in reversed(range(len(active))):   # a row whose prompt is in leaves with its cache
+            for i in reversed(range(len(active))):  # a row whose prompt is in leaves with its cache
                 if done[active[i]] == len(todo[active[i]]):
                     rows[active[i]].engine.session.cache = [batch.take(i) for batch in cache]
                     del active[i]
-        return [(row, {layer: mx.concatenate(hs, axis=1) for layer, hs in pieces[id(row)].items()})
-                for row, _ in prefills]
+        return [
+            (row, {layer: mx.concatenate(hs, axis=1) for layer, hs in pieces[id(row)].items()})
+            for row, _ in prefills
+        ]
 
     def _width(self, pending: List[PendingVerification]) -> int:
         """The pass's width (1 + drafts per row): the one with the most expected tokens per
@@ -207,7 +219,7 @@ class BatchEngine:
         widest = max([1 + len(r) for r in reach] + fixed)
         best, best_rate = widest, 0.0
         for width in range(max(fixed, default=1), widest + 1):
-            expected = sum(fixed) + sum(1 + sum(r[:width - 1]) for r in reach)
+            expected = sum(fixed) + sum(1 + sum(r[: width - 1]) for r in reach)
             rate = expected / self.pass_cost(len(pending) * width)
             if rate > best_rate:
                 best, best_rate = width, rate
@@ -251,23 +263,31 @@ class BatchEngine:
         for row in rows:
             context, draft = row.pending.context, row.pending.draft
             drafts = draft.tokens if isinstance(draft.tokens, mx.array) else mx.array(draft.tokens, mx.int32)
-            if row.pending.reach is not None and len(draft) >= width:   # cut to the pass's width
-                drafts = drafts[:width - 1]
-                row.pending.draft = Draft(tokens=drafts, q=None if draft.q is None else draft.q[:width - 1])
+            if row.pending.reach is not None and len(draft) >= width:  # cut to the pass's width
+                drafts = drafts[: width - 1]
+                row.pending.draft = Draft(tokens=drafts, q=None if draft.q is None else draft.q[: width - 1])
             inputs.append((context, drafts, mx.concatenate([mx.array(context[-1:], mx.int32), drafts])))
         widths = [x.shape[0] for _, _, x in inputs]
         padded = mx.stack([mx.pad(x, [(0, width - x.shape[0])]) for _, _, x in inputs])
         logits, taps = self.target.forward(padded, self.cache, self.taps)
-        logits = [row.engine.processed(logits[b, :widths[b]], context, drafts)
-                  for b, (row, (context, drafts, _)) in enumerate(zip(rows, inputs))]
-        decisions = [verify_chain(logits[b], drafts, row.pending.draft.q, row.engine.sampler, len(context))
-                     for b, (row, (context, drafts, _)) in enumerate(zip(rows, inputs))]
-        logprobs = [row.engine.chain_logprobs(logits[b], drafts, decisions[b])
-                    for b, (row, (_, drafts, _)) in enumerate(zip(rows, inputs))]
+        logits = [
+            row.engine.processed(logits[b, : widths[b]], context, drafts)
+            for b, (row, (context, drafts, _)) in enumerate(zip(rows, inputs))
+        ]
+        decisions = [
+            verify_chain(logits[b], drafts, row.pending.draft.q, row.engine.sampler, len(context))
+            for b, (row, (context, drafts, _)) in enumerate(zip(rows, inputs))
+        ]
+        logprobs = [
+            row.engine.chain_logprobs(logits[b], drafts, decisions[b])
+            for b, (row, (_, drafts, _)) in enumerate(zip(rows, inputs))
+        ]
         mx.eval(decisions, [drafts for _, drafts, _ in inputs])
         decisions = [decision.tolist() for decision in decisions]
-        committed_logprobs([(lp, n_accepted + 1) for lp, (n_accepted, _) in zip(logprobs, decisions) if lp is not None])
-        for batch in self.cache:   # padding past each row's drafts is not the row's
+        committed_logprobs(
+            [(lp, n_accepted + 1) for lp, (n_accepted, _) in zip(logprobs, decisions) if lp is not None]
+        )
+        for batch in self.cache:  # padding past each row's drafts is not the row's
             batch.lengths = [n - (width - w) for n, w in zip(batch.lengths, widths)]
         seconds = time.perf_counter() - tic
         self.pass_cost.record(len(rows) * width, seconds)
@@ -276,6 +296,8 @@ class BatchEngine:
             n_accepted, next_token = decisions[b]
             # Gathered: a session keeps them, and a slice would keep every row's alive.
             own = {layer: mx.take(taps[layer], mx.array([b]), axis=0) for layer in row.engine.drafter.taps}
-            row.verdict = row.engine.settle_chain(context, drafts.tolist(), n_accepted, next_token, own, logprobs[b])
+            row.verdict = row.engine.settle_chain(
+                context, drafts.tolist(), n_accepted, next_token, own, logprobs[b]
+            )
             row.verdict.seconds = seconds * shares[b]
             row.pending = None

@@ -46,12 +46,12 @@ class Record:
     generated_tokens: int
     seconds: float
     steps: int = 0
-    plain_steps: int = 0                  # steps that verified no draft
+    plain_steps: int = 0  # steps that verified no draft
     verified_drafts: int = 0
     accepted_drafts: int = 0
     baseline_tokens: int = 0
     baseline_seconds: float = 0.0
-    identical: Optional[bool] = None      # token-identical to the baseline (None: not comparable)
+    identical: Optional[bool] = None  # token-identical to the baseline (None: not comparable)
     first_difference: Optional[int] = None
     tokens_per_step_histogram: Dict[int, int] = field(default_factory=dict)
 
@@ -93,8 +93,13 @@ def load_prompts(path=None, categories=()) -> List[dict]:
             raise MlxSpecError(f"{where} has neither 'prompt' nor 'turns'")
         if not isinstance(turns, list) or not all(isinstance(t, str) and t for t in turns):
             raise MlxSpecError(f"{where}: 'prompt' must be a string and 'turns' a list of strings")
-        items.append({"question_id": str(row.get("question_id", i + 1)),
-                      "category": str(row.get("category", "default")), "turns": list(turns)})
+        items.append(
+            {
+                "question_id": str(row.get("question_id", i + 1)),
+                "category": str(row.get("category", "default")),
+                "turns": list(turns),
+            }
+        )
     if categories:
         items = [item for item in items if item["category"] in categories]
         if not items:
@@ -122,8 +127,8 @@ def seeded_sampler(rule: Sampler, first_position: int):
     return sample
 
 
-TURN_SECONDS = 0.5   # a turn of one of two interleaved generations: short against the drift,
-                     # long against what a turn's end costs mlx-lm (one step not overlapped)
+TURN_SECONDS = 0.5  # a turn of one of two interleaved generations: short against the drift,
+# long against what a turn's end costs mlx-lm (one step not overlapped)
 
 
 def baseline_sampler(sampling, seed: int, residual: bool = False):
@@ -136,8 +141,15 @@ def baseline_sampler(sampling, seed: int, residual: bool = False):
     return Sampler(sampling, seed)
 
 
-def baseline_steps(target, prompt_tokens, max_tokens, sampler, collected: Collector,
-                   cache_flags: Optional[dict] = None, channel=None):
+def baseline_steps(
+    target,
+    prompt_tokens,
+    max_tokens,
+    sampler,
+    collected: Collector,
+    cache_flags: Optional[dict] = None,
+    channel=None,
+):
     """Plain mlx-lm on the same weights, one step per iteration, its tokens and text collected.
     sampler: mlx-lm's, or a Sampler whose seeded rule is drawn with (seeded_sampler);
     cache_flags: stream_generate's kv_bits, kv_group_size, quantized_kv_start; channel: a split
@@ -150,18 +162,26 @@ def baseline_steps(target, prompt_tokens, max_tokens, sampler, collected: Collec
     if isinstance(sampler, Sampler):
         sampler = seeded_sampler(sampler, len(prompt_tokens))
     eos = set(target.eos_token_ids)
-    for response in stream_generate(target.model, target.tokenizer, prompt_tokens,
-                                     max_tokens=max_tokens, sampler=sampler, **(cache_flags or {})):
+    for response in stream_generate(
+        target.model,
+        target.tokenizer,
+        prompt_tokens,
+        max_tokens=max_tokens,
+        sampler=sampler,
+        **(cache_flags or {}),
+    ):
         collected.add(Text(response.text) if response.token in eos else Token(response.token, response.text))
         yield
-    mx.synchronize(generation_stream)   # the step computed ahead: its time (and collectives) end here
+    mx.synchronize(generation_stream)  # the step computed ahead: its time (and collectives) end here
 
 
 def follow_baseline(target, sampler, cache_flags: Optional[dict] = None) -> Callable[[List[int]], None]:
     """Another rank's side of baseline_steps over a split target (Follower.follow's plain)."""
+
     def run(order: List[int]) -> None:
         for _ in baseline_steps(target, order[1:], order[0], sampler, Collector(), cache_flags):
             pass
+
     return run
 
 
@@ -174,16 +194,30 @@ def method_steps(engine, prompt_tokens, max_tokens, collected: Collector, option
             yield
 
 
-def _record(method, item, turn, repeat, run: Collector, seconds, base_tokens, base_seconds, compared) -> Record:
+def _record(
+    method, item, turn, repeat, run: Collector, seconds, base_tokens, base_seconds, compared
+) -> Record:
     """One generation's record beside the baseline's; compared: whether its tokens must equal
     the baseline's (greedy, or seeded sampling)."""
     stats, diff = run.stats, _first_difference(run.tokens, base_tokens)
-    return Record(method=method, category=item["category"], question_id=item["question_id"], turn=turn,
-                  repeat=repeat, generated_tokens=len(run.tokens), seconds=seconds, steps=stats.steps,
-                  plain_steps=stats.plain_steps, verified_drafts=stats.verified_drafts,
-                  accepted_drafts=stats.accepted_drafts, baseline_tokens=len(base_tokens), baseline_seconds=base_seconds,
-                  identical=(diff is None) if compared else None, first_difference=diff if compared else None,
-                  tokens_per_step_histogram=run.sorted_histogram())
+    return Record(
+        method=method,
+        category=item["category"],
+        question_id=item["question_id"],
+        turn=turn,
+        repeat=repeat,
+        generated_tokens=len(run.tokens),
+        seconds=seconds,
+        steps=stats.steps,
+        plain_steps=stats.plain_steps,
+        verified_drafts=stats.verified_drafts,
+        accepted_drafts=stats.accepted_drafts,
+        baseline_tokens=len(base_tokens),
+        baseline_seconds=base_seconds,
+        identical=(diff is None) if compared else None,
+        first_difference=diff if compared else None,
+        tokens_per_step_histogram=run.sorted_histogram(),
+    )
 
 
 def timed_in_turns(runs, turn_seconds=TURN_SECONDS) -> List[float]:
@@ -218,19 +252,34 @@ def timed_in_sequence(runs) -> List[float]:
     return seconds
 
 
-def run_bench(target, engines: Dict[str, object], items, max_tokens, repeats, sampling, seed=0,
-              progress=None, residual=False, cache_flags: Optional[dict] = None, channel=None) -> List[Record]:
+def run_bench(
+    target,
+    engines: Dict[str, object],
+    items,
+    max_tokens,
+    repeats,
+    sampling,
+    seed=0,
+    progress=None,
+    residual=False,
+    cache_flags: Optional[dict] = None,
+    channel=None,
+) -> List[Record]:
     """Every turn of every item, `repeats` times: each method interleaved with a baseline run
     (with mlx-lm's cache_flags, as the engines have them). channel: a split target's (rank 0;
     the engines are its SplitEngines): every rank runs the baseline too, and the two runs of a
     pair go one after the other, not in turns."""
-    compared = sampling.greedy or not residual   # outputs that must equal the baseline's
+    compared = sampling.greedy or not residual  # outputs that must equal the baseline's
     sampler = baseline_sampler(sampling, seed, residual)
     timed = timed_in_turns if channel is None else timed_in_sequence
     tokenizer = target.tokenizer
     warmup = tokenizer.apply_chat_template([{"role": "user", "content": "Hello"}], add_generation_prompt=True)
-    timed([baseline_steps(target, warmup, 8, sampler, Collector(), cache_flags, channel),
-           *(method_steps(engine, warmup, 8, Collector()) for engine in engines.values())])
+    timed(
+        [
+            baseline_steps(target, warmup, 8, sampler, Collector(), cache_flags, channel),
+            *(method_steps(engine, warmup, 8, Collector()) for engine in engines.values()),
+        ]
+    )
     mx.random.seed(seed)
 
     records = []
@@ -238,6 +287,7 @@ def run_bench(target, engines: Dict[str, object], items, max_tokens, repeats, sa
         for repeat in range(repeats):
             histories = {name: [] for name in ["baseline", *engines]}
             for turn, user in enumerate(item["turns"]):
+
                 def prompt_of(name):
                     histories[name].append({"role": "user", "content": user})
                     return tokenizer.apply_chat_template(histories[name], add_generation_prompt=True)
@@ -245,16 +295,22 @@ def run_bench(target, engines: Dict[str, object], items, max_tokens, repeats, sa
                 base_prompt = prompt_of("baseline")
                 for name, engine in engines.items():
                     base, run = Collector(), Collector()
-                    runs = [baseline_steps(target, base_prompt, max_tokens, sampler, base, cache_flags, channel),
-                            method_steps(engine, prompt_of(name), max_tokens, run)]
+                    runs = [
+                        baseline_steps(target, base_prompt, max_tokens, sampler, base, cache_flags, channel),
+                        method_steps(engine, prompt_of(name), max_tokens, run),
+                    ]
                     # Who starts alternates (one record per pair): neither always gets the
                     # first turn's machine state.
                     order = [0, 1] if len(records) % 2 == 0 else [1, 0]
                     seconds_in_order = timed([runs[i] for i in order])
-                    base_seconds, seconds = (seconds_in_order[order.index(0)], seconds_in_order[order.index(1)])
+                    base_seconds, seconds = (
+                        seconds_in_order[order.index(0)],
+                        seconds_in_order[order.index(1)],
+                    )
                     histories[name].append({"role": "assistant", "content": run.text})
-                    records.append(_record(name, item, turn, repeat, run, seconds, base.tokens, base_seconds,
-                                           compared))
+                    records.append(
+                        _record(name, item, turn, repeat, run, seconds, base.tokens, base_seconds, compared)
+                    )
                     if progress is not None:
                         progress(1)
                 # The next turn follows the baseline's answer (the same text in every pair
@@ -263,8 +319,17 @@ def run_bench(target, engines: Dict[str, object], items, max_tokens, repeats, sa
     return records
 
 
-def run_concurrent(target, engines: Dict[str, object], items, max_tokens, repeats, sampling, seed=0,
-                   concurrency=4, progress=None) -> List[Record]:
+def run_concurrent(
+    target,
+    engines: Dict[str, object],
+    items,
+    max_tokens,
+    repeats,
+    sampling,
+    seed=0,
+    concurrency=4,
+    progress=None,
+) -> List[Record]:
     """--concurrency N: every item's first turn, N generated at once: each method's BatchEngine
     (continuous batching: a prompt joins as another finishes) against mlx-lm's own batched
     generation (BatchGenerator, N rows) over the same prompts, in turns whose order alternates
@@ -278,30 +343,41 @@ def run_concurrent(target, engines: Dict[str, object], items, max_tokens, repeat
     from .batch import BatchEngine
 
     tokenizer = target.tokenizer
-    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": item["turns"][0]}],
-                                             add_generation_prompt=True) for item in items]
+    prompts = [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": item["turns"][0]}], add_generation_prompt=True
+        )
+        for item in items
+    ]
     batches = {name: BatchEngine.spawned(engine, concurrency) for name, engine in engines.items()}
 
     def baseline(prompts=prompts, max_tokens=max_tokens):
-        generator = BatchGenerator(target.model, max_tokens=max_tokens,
-                                   stop_tokens=[[t] for t in target.eos_token_ids],
-                                   sampler=None if sampling.greedy else make_sampler(
-                                       sampling.temp, sampling.top_p, sampling.min_p, top_k=sampling.top_k),
-                                   completion_batch_size=concurrency, prefill_batch_size=concurrency)
+        generator = BatchGenerator(
+            target.model,
+            max_tokens=max_tokens,
+            stop_tokens=[[t] for t in target.eos_token_ids],
+            sampler=None
+            if sampling.greedy
+            else make_sampler(sampling.temp, sampling.top_p, sampling.min_p, top_k=sampling.top_k),
+            completion_batch_size=concurrency,
+            prefill_batch_size=concurrency,
+        )
         uids = generator.insert(prompts, [max_tokens] * len(prompts))
         tokens = {uid: [] for uid in uids}
         while responses := generator.next_generated():
             for r in responses:
-                if r.finish_reason != "stop":   # "stop": the EOS token, not output
+                if r.finish_reason != "stop":  # "stop": the EOS token, not output
                     tokens[r.uid].append(r.token)
         generator.close()
         return [tokens[uid] for uid in uids]
 
     def method(batch):
-        for engine in batch.engines:   # fresh caches, as the baseline's
+        for engine in batch.engines:  # fresh caches, as the baseline's
             engine.reset()
         collected = [Collector() for _ in prompts]
-        requests = [dict(prompt=prompt, max_tokens=max_tokens, seed=seed + i) for i, prompt in enumerate(prompts)]
+        requests = [
+            dict(prompt=prompt, max_tokens=max_tokens, seed=seed + i) for i, prompt in enumerate(prompts)
+        ]
         for i, event in batch.generate_all(requests):
             if isinstance(collected[i].add(event), Failed):
                 raise event.error
@@ -317,7 +393,7 @@ def run_concurrent(target, engines: Dict[str, object], items, max_tokens, repeat
         total = sum(len(t) for t in tokens) or 1
         return [seconds * len(t) / total for t in tokens]
 
-    baseline(prompts[:1], 8)   # warm-up on the first prompt: both paths build their graphs once
+    baseline(prompts[:1], 8)  # warm-up on the first prompt: both paths build their graphs once
     for batch in batches.values():
         batch.add(prompts[0], max_tokens=8)
         while batch.rows:
@@ -330,9 +406,21 @@ def run_concurrent(target, engines: Dict[str, object], items, max_tokens, repeat
             timings = {i: timed(runs[i]) for i in order}
             (base, base_seconds), (results, seconds) = timings[0], timings[1]
             for item, result, spent, reference, base_spent in zip(
-                    items, results, share([r.tokens for r in results], seconds), base, share(base, base_seconds)):
-                records.append(_record(name, dict(item, category="all"), 0, repeat, result, spent, reference,
-                                       base_spent, compared=sampling.greedy))
+                items, results, share([r.tokens for r in results], seconds), base, share(base, base_seconds)
+            ):
+                records.append(
+                    _record(
+                        name,
+                        dict(item, category="all"),
+                        0,
+                        repeat,
+                        result,
+                        spent,
+                        reference,
+                        base_spent,
+                        compared=sampling.greedy,
+                    )
+                )
             if progress is not None:
                 progress(len(items))
     return records
@@ -346,7 +434,7 @@ def summarize(records: List[Record]) -> List[dict]:
         groups.setdefault((r.method, r.category), []).append(r)
     categories = {method: {c for m, c in groups if m == method} for method, _ in groups}
     for r in records:
-        if len(categories[r.method]) > 1:   # one category: its row is the whole
+        if len(categories[r.method]) > 1:  # one category: its row is the whole
             groups.setdefault((r.method, "all"), []).append(r)
     rows = []
     for (method, category), rs in groups.items():
@@ -367,31 +455,58 @@ def summarize(records: List[Record]) -> List[dict]:
         for r in rs:
             histogram.update(r.tokens_per_step_histogram)
         checked = [r for r in rs if r.identical is not None]
-        rows.append(dict(
-            method=method, category=category, runs=len(rs), repeats=len(repeats), tokens=tokens,
-            tokens_per_second=statistics.median(t for t, _, _ in per_repeat),
-            baseline_tokens_per_second=statistics.median(b for _, b, _ in per_repeat),
-            speedup=statistics.median(x for _, _, x in per_repeat),
-            speedup_per_repeat=[x for _, _, x in per_repeat],
-            tokens_per_step=committed / steps if steps else 0.0,
-            verified_drafts_per_step=verified / steps if steps else 0.0,
-            plain_steps=sum(r.plain_steps for r in rs),
-            plain_step_share=sum(r.plain_steps for r in rs) / steps if steps else 0.0,
-            acceptance_rate=sum(r.accepted_drafts for r in rs) / verified if verified else None,   # no drafts: n/a
-            identical=f"{sum(r.identical for r in checked)}/{len(checked)}" if checked else "n/a",
-            first_differences=[r.first_difference for r in checked if not r.identical],
-            tokens_per_step_histogram=dict(sorted(histogram.items()))))
-    order = list(dict.fromkeys(r.method for r in records))   # as --methods gave them
+        rows.append(
+            dict(
+                method=method,
+                category=category,
+                runs=len(rs),
+                repeats=len(repeats),
+                tokens=tokens,
+                tokens_per_second=statistics.median(t for t, _, _ in per_repeat),
+                baseline_tokens_per_second=statistics.median(b for _, b, _ in per_repeat),
+                speedup=statistics.median(x for _, _, x in per_repeat),
+                speedup_per_repeat=[x for _, _, x in per_repeat],
+                tokens_per_step=committed / steps if steps else 0.0,
+                verified_drafts_per_step=verified / steps if steps else 0.0,
+                plain_steps=sum(r.plain_steps for r in rs),
+                plain_step_share=sum(r.plain_steps for r in rs) / steps if steps else 0.0,
+                acceptance_rate=sum(r.accepted_drafts for r in rs) / verified
+                if verified
+                else None,  # no drafts: n/a
+                identical=f"{sum(r.identical for r in checked)}/{len(checked)}" if checked else "n/a",
+                first_differences=[r.first_difference for r in checked if not r.identical],
+                tokens_per_step_histogram=dict(sorted(histogram.items())),
+            )
+        )
+    order = list(dict.fromkeys(r.method for r in records))  # as --methods gave them
     rows.sort(key=lambda row: (order.index(row["method"]), row["category"] == "all", row["category"]))
     return rows
 
 
-COLUMNS = [("method", "{}"), ("category", "{}"), ("tokens_per_second", "{:.1f}"),
-           ("baseline_tokens_per_second", "{:.1f}"), ("speedup", "{:.2f}x"),
-           ("tokens_per_step", "{:.2f}"), ("acceptance_rate", "{:.0%}"), ("verified_drafts_per_step", "{:.2f}"),
-           ("plain_step_share", "{:.0%}"), ("identical", "{}")]
-HEADERS = ["method", "category", "tok/s", "mlx-lm tok/s", "speedup", "tau", "acceptance", "drafts/step",
-           "plain steps", "identical"]
+COLUMNS = [
+    ("method", "{}"),
+    ("category", "{}"),
+    ("tokens_per_second", "{:.1f}"),
+    ("baseline_tokens_per_second", "{:.1f}"),
+    ("speedup", "{:.2f}x"),
+    ("tokens_per_step", "{:.2f}"),
+    ("acceptance_rate", "{:.0%}"),
+    ("verified_drafts_per_step", "{:.2f}"),
+    ("plain_step_share", "{:.0%}"),
+    ("identical", "{}"),
+]
+HEADERS = [
+    "method",
+    "category",
+    "tok/s",
+    "mlx-lm tok/s",
+    "speedup",
+    "tau",
+    "acceptance",
+    "drafts/step",
+    "plain steps",
+    "identical",
+]
 
 
 def _cells(rows):
@@ -407,7 +522,8 @@ def overall_rows(rows) -> list:
 
 def render_histograms(rows) -> str:
     return "tokens committed per step (histogram): " + "; ".join(
-        f"{row['method']}: {row['tokens_per_step_histogram']}" for row in overall_rows(rows))
+        f"{row['method']}: {row['tokens_per_step_histogram']}" for row in overall_rows(rows)
+    )
 
 
 def render_table(rows) -> str:
@@ -441,8 +557,12 @@ def plot(rows, path) -> None:
     width = 0.8 / max(1, len(methods))
     for i, method in enumerate(methods):
         by_category = {row["category"]: row["speedup"] for row in rows if row["method"] == method}
-        left.bar([c + i * width for c in range(len(categories))],
-                 [by_category.get(c, 0) for c in categories], width, label=method)
+        left.bar(
+            [c + i * width for c in range(len(categories))],
+            [by_category.get(c, 0) for c in categories],
+            width,
+            label=method,
+        )
     left.axhline(1.0, color="gray", linewidth=0.8)
     left.set_xticks([c + width * (len(methods) - 1) / 2 for c in range(len(categories))], categories)
     left.set_ylabel("speedup vs plain mlx-lm")
@@ -461,13 +581,19 @@ def plot(rows, path) -> None:
 def machine_info(target, drafter_paths) -> dict:
     import importlib.metadata as md
 
-    return {"machine": f"{platform.system()} {platform.machine()} ({platform.processor() or 'cpu'}), "
-                       f"{os.cpu_count()} cores",
-            "mlx": md.version("mlx"), "mlx-lm": md.version("mlx-lm"),
-            "device": str(mx.default_device()), "dtype": target.dtype, "model": target.path,
-            "drafters": drafter_paths}
+    return {
+        "machine": f"{platform.system()} {platform.machine()} ({platform.processor() or 'cpu'}), "
+        f"{os.cpu_count()} cores",
+        "mlx": md.version("mlx"),
+        "mlx-lm": md.version("mlx-lm"),
+        "device": str(mx.default_device()),
+        "dtype": target.dtype,
+        "model": target.path,
+        "drafters": drafter_paths,
+    }
 
 
 def write_json(path, meta, rows, records) -> None:
-    Path(path).write_text(json.dumps({"meta": meta, "summary": rows,
-                                      "records": [asdict(r) for r in records]}, indent=1))
+    Path(path).write_text(
+        json.dumps({"meta": meta, "summary": rows, "records": [asdict(r) for r in records]}, indent=1)
+    )

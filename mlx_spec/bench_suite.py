@@ -31,7 +31,7 @@ _EMAIL = (
     "if you have questions."
 )
 
-_CODE = '''def load_scores(path):
+_CODE = """def load_scores(path):
     scores = {}
     with open(path) as f:
         for line in f:
@@ -43,17 +43,47 @@ _CODE = '''def load_scores(path):
 def top_players(scores, n):
     ranked = sorted(scores.items(), key=lambda item: item[1], reverse=True)
     return [name for name, _ in ranked[:n]]
-'''
+"""
 
 SUITE = [
-    {"category": "chat", "prompt": "What are three good habits for someone who wants to sleep better? Explain each briefly."},
-    {"category": "chat", "prompt": "I am visiting a new city for one day. How should I plan the day to see the most without rushing?"},
-    {"category": "code", "prompt": "Write a Python function that checks whether a string is a palindrome, ignoring case and punctuation, with a short docstring."},
-    {"category": "code", "prompt": "Add a docstring to each function in this Python code and return the whole code:\n\n" + _CODE},
-    {"category": "math", "prompt": "A baker makes 24 muffins per tray and bakes 7 trays. She sells 130 muffins and gives away 15. How many muffins are left? Show your steps."},
-    {"category": "math", "prompt": "A train travels 180 km in 2 hours, then 150 km in 3 hours. What is its average speed for the whole trip? Explain."},
+    {
+        "category": "chat",
+        "prompt": "What are three good habits for someone who wants to sleep better? Explain each briefly.",
+    },
+    {
+        "category": "chat",
+        "prompt": "I am visiting a new city for one day. How should I plan the day to see the most without rushing?",
+    },
+    {
+        "category": "code",
+        "prompt": "Write a Python function that checks whether a string is a palindrome, ignoring case and punctuation, with a short docstring.",
+    },
+    {
+        "category": "code",
+        "prompt": "Add a docstring to each function in this Python code and return the whole code:\n\n"
+        + _CODE,
+    },
+    {
+        "category": "math",
+        "prompt": "A baker makes 24 muffins per tray and bakes 7 trays. She sells 130 muffins and gives away 15. How many muffins are left? Show your steps.",
+    },
+    {
+        "category": "math",
+        "prompt": "A train travels 180 km in 2 hours, then 150 km in 3 hours. What is its average speed for the whole trip? Explain.",
+    },
     {"category": "summarize", "prompt": "Summarize the following text in a few sentences:\n\n" + _LIGHTHOUSE},
-    {"category": "summarize", "prompt": "Summarize the decisions and action items of this meeting:\n\n" + _MEETING},
-    {"category": "rewrite", "prompt": "Rewrite this email so that it is clear and professional, keeping all the facts:\n\n" + _EMAIL},
-    {"category": "rewrite", "prompt": "Repeat the following text, changing every past-tense verb to present tense:\n\n" + _LIGHTHOUSE},
+    {
+        "category": "summarize",
+        "prompt": "Summarize the decisions and action items of this meeting:\n\n" + _MEETING,
+    },
+    {
+        "category": "rewrite",
+        "prompt": "Rewrite this email so that it is clear and professional, keeping all the facts:\n\n"
+        + _EMAIL,
+    },
+    {
+        "category": "rewrite",
+        "prompt": "Repeat the following text, changing every past-tense verb to present tense:\n\n"
+        + _LIGHTHOUSE,
+    },
 ]

@@ -32,8 +32,9 @@ def make_cache(model, max_kv_size: Optional[int] = None) -> List[Any]:
     """mlx-lm's cache for the model; max_kv_size (--max-kv-size): where mlx-lm makes its
     RotatingKVCache(max_kv_size, keep=4), a BoundedKVCache, which verifies exactly."""
     cache = make_prompt_cache(model, max_kv_size)
-    return [BoundedKVCache(c.max_size, c.keep) if type(c) is RotatingKVCache and max_kv_size else c
-            for c in cache]
+    return [
+        BoundedKVCache(c.max_size, c.keep) if type(c) is RotatingKVCache and max_kv_size else c for c in cache
+    ]
 
 
 class BoundedKVCache(RotatingKVCache):
@@ -70,10 +71,12 @@ class BoundedKVCache(RotatingKVCache):
         p, keep = self.offset, self.keep
         if self.keys is None:
             held = 0
-        else:   # what _temporal_order hands _update_concat, then cut to size - 1
+        else:  # what _temporal_order hands _update_concat, then cut to size - 1
             whole = self._idx == self.keys.shape[2] or self._idx < self.offset
             held = min(self.keys.shape[2] if whole else self._idx, self.max_size - 1)
-        return mx.arange(p) if held == p else mx.concatenate([mx.arange(keep), mx.arange(p - (held - keep), p)])
+        return (
+            mx.arange(p) if held == p else mx.concatenate([mx.arange(keep), mx.arange(p - (held - keep), p)])
+        )
 
     def _in_window(self, columns: mx.array, rows: mx.array) -> mx.array:
         """[rows, columns]: the column is one a query at that row's position sees in one-token
@@ -103,9 +106,11 @@ def verification(cache: Sequence[Any]):
             c.verifying = False
 
 
-QUANTIZED_SPECULATION = ("a verification pass computes keys and values equal to one-token decoding's only up to "
-                         "float32's last bits, which the quantized cache rounds apart, so speculation would not "
-                         "print mlx-lm's tokens")
+QUANTIZED_SPECULATION = (
+    "a verification pass computes keys and values equal to one-token decoding's only up to "
+    "float32's last bits, which the quantized cache rounds apart, so speculation would not "
+    "print mlx-lm's tokens"
+)
 
 
 @dataclass(frozen=True)
@@ -117,14 +122,17 @@ class KVQuantization:
     (other matmul shapes), and a quantization step rounds some of them apart, a difference that
     grows through the layers (benchmarks/kv_quantization_rounding.py): speculation over it
     would not print mlx-lm's tokens."""
+
     bits: int
     group_size: int = 64
-    start: int = 5000   # mlx-lm's default quantized_kv_start
+    start: int = 5000  # mlx-lm's default quantized_kv_start
 
     def __post_init__(self):
         if self.bits not in (2, 3, 4, 5, 6, 8) or self.group_size not in (32, 64, 128) or self.start < 0:
-            raise MlxSpecError(f"--kv-bits must be 2, 3, 4, 5, 6 or 8 and --kv-group-size 32, 64 or 128 "
-                               f"(got {self.bits}, {self.group_size}); --quantized-kv-start >= 0")
+            raise MlxSpecError(
+                f"--kv-bits must be 2, 3, 4, 5, 6 or 8 and --kv-group-size 32, 64 or 128 "
+                f"(got {self.bits}, {self.group_size}); --quantized-kv-start >= 0"
+            )
 
     def check(self, cache: List[Any], model_type: str, speculative: bool) -> None:
         """Refuse in one line, before any token: speculation (see above), and what mlx-lm cannot
@@ -133,8 +141,10 @@ class KVQuantization:
             raise MlxSpecError(f"--kv-bits: {QUANTIZED_SPECULATION}: use --draft none or drop --kv-bits")
         windows = sorted({type(c).__name__ for c in cache if isinstance(c, RotatingKVCache)})
         if windows:
-            raise MlxSpecError(f"--kv-bits: mlx-lm cannot quantize the {', '.join(windows)} of this {model_type} "
-                               "model (sliding-window attention): drop --kv-bits")
+            raise MlxSpecError(
+                f"--kv-bits: mlx-lm cannot quantize the {', '.join(windows)} of this {model_type} "
+                "model (sliding-window attention): drop --kv-bits"
+            )
 
     def apply(self, cache: List[Any]) -> None:
         from mlx_lm.generate import maybe_quantize_kv_cache
@@ -155,11 +165,13 @@ def prompt_cache_metadata(path) -> Tuple[dict, List[str]]:
         raise MlxSpecError(f"no prompt cache file {path}")
     try:
         _, stored = mx.load(str(path), return_metadata=True)
-        part = lambda i: {k[2:]: v for k, v in stored.items() if k.startswith(f"{i}.")}   # noqa: E731
+        part = lambda i: {k[2:]: v for k, v in stored.items() if k.startswith(f"{i}.")}  # noqa: E731
         classes = [c for _, c in sorted(part(1).items(), key=lambda item: int(item[0]))]
     except Exception as e:
-        raise MlxSpecError(f"cannot read the prompt cache file {path}: {str(e).splitlines()[0] if str(e) else e!r} "
-                           "(mlx_lm.cache_prompt writes safetensors)") from None
+        raise MlxSpecError(
+            f"cannot read the prompt cache file {path}: {str(e).splitlines()[0] if str(e) else e!r} "
+            "(mlx_lm.cache_prompt writes safetensors)"
+        ) from None
     return part(0), classes
 
 
@@ -173,8 +185,10 @@ def read_prompt_cache(path, model, model_type: str) -> List[Any]:
     _, classes = prompt_cache_metadata(path)
     unknown = sorted(set(classes) - set(PROMPT_CACHE_LAYERS))
     if not classes or unknown:
-        raise MlxSpecError(f"the prompt cache file {path} holds {', '.join(unknown) or 'no layers'}: mlx-spec reads "
-                           f"caches of {', '.join(PROMPT_CACHE_LAYERS)} layers")
+        raise MlxSpecError(
+            f"the prompt cache file {path} holds {', '.join(unknown) or 'no layers'}: mlx-spec reads "
+            f"caches of {', '.join(PROMPT_CACHE_LAYERS)} layers"
+        )
     try:
         cache = load_prompt_cache(str(path))
     except Exception as e:
@@ -182,18 +196,23 @@ def read_prompt_cache(path, model, model_type: str) -> List[Any]:
     # The model's own cache after one token: the kinds and shapes a cache of this model has.
     fresh = make_cache(model)
     model(mx.array([[0]]), cache=fresh)
-    shape = lambda c: [a.shape[1:] for a in c.cache if a is not None]   # noqa: E731  (recurrent states)
+    shape = lambda c: [a.shape[1:] for a in c.cache if a is not None]  # noqa: E731  (recurrent states)
     if len(cache) != len(fresh) or any(
-            PROMPT_CACHE_LAYERS[type(c).__name__] is not type(f)
-            or (type(c) is KVCache and (c.keys is None or c.keys.shape[1] != f.keys.shape[1]))
-            or (isinstance(c, QuantizedKVCache) and c.keys[0].shape[1] != f.keys.shape[1])
-            or (isinstance(c, ArraysCache) and shape(c) != shape(f))
-            for c, f in zip(cache, fresh)):
-        raise MlxSpecError(f"the prompt cache file {path} was made by another model (its layers differ from this "
-                           f"{model_type} model's)")
+        PROMPT_CACHE_LAYERS[type(c).__name__] is not type(f)
+        or (type(c) is KVCache and (c.keys is None or c.keys.shape[1] != f.keys.shape[1]))
+        or (isinstance(c, QuantizedKVCache) and c.keys[0].shape[1] != f.keys.shape[1])
+        or (isinstance(c, ArraysCache) and shape(c) != shape(f))
+        for c, f in zip(cache, fresh)
+    ):
+        raise MlxSpecError(
+            f"the prompt cache file {path} was made by another model (its layers differ from this "
+            f"{model_type} model's)"
+        )
     if not any(hasattr(c, "offset") for c in cache):
-        raise MlxSpecError(f"the prompt cache file {path} does not say how many tokens it holds (a model without "
-                           "attention layers): mlx-spec cannot continue it")
+        raise MlxSpecError(
+            f"the prompt cache file {path} does not say how many tokens it holds (a model without "
+            "attention layers): mlx-spec cannot continue it"
+        )
     return cache
 
 
@@ -215,17 +234,25 @@ def is_recurrent(cache) -> bool:
     return any(isinstance(c, ArraysCache) for c in _layers([cache]))
 
 
-def check_speculation(cache: Sequence[Any], model_type: str, what: str = "speculative decoding",
-                      replayed: bool = True) -> None:
+def check_speculation(
+    cache: Sequence[Any], model_type: str, what: str = "speculative decoding", replayed: bool = True
+) -> None:
     """Refuse, in one line and before any token, a cache that verification could not roll
     back: one of an unknown kind, or a recurrent state where no Replay is kept (`replayed`:
     the target's are, a draft model's are not)."""
-    kinds = sorted({type(c).__name__ for c in _layers(cache)
-                    if (isinstance(c, ArraysCache) and not replayed)
-                    or not (isinstance(c, ArraysCache) or hasattr(c, "offset"))})
+    kinds = sorted(
+        {
+            type(c).__name__
+            for c in _layers(cache)
+            if (isinstance(c, ArraysCache) and not replayed)
+            or not (isinstance(c, ArraysCache) or hasattr(c, "offset"))
+        }
+    )
     if kinds:
-        raise MlxSpecError(f"{what} cannot roll back the {', '.join(kinds)} of this {model_type} model "
-                           "(recurrent layers); use --draft none")
+        raise MlxSpecError(
+            f"{what} cannot roll back the {', '.join(kinds)} of this {model_type} model "
+            "(recurrent layers); use --draft none"
+        )
 
 
 def _not_for_trees(cache: Sequence[Any]) -> List[str]:
@@ -235,8 +262,13 @@ def _not_for_trees(cache: Sequence[Any]) -> List[str]:
     (BoundedKVCache.tree_mask); a recurrent layer runs the tree one depth at a time
     (tree.recurrent_by_depth). A layer with both (a CacheList) cannot; nor can a model's own
     sliding windows (mlx-lm masks them itself)."""
-    return sorted({type(c).__name__ for c in cache
-                   if type(c) not in (KVCache, BoundedKVCache) and not isinstance(c, ArraysCache)})
+    return sorted(
+        {
+            type(c).__name__
+            for c in cache
+            if type(c) not in (KVCache, BoundedKVCache) and not isinstance(c, ArraysCache)
+        }
+    )
 
 
 def holds_trees(cache: Sequence[Any]) -> bool:
@@ -246,8 +278,10 @@ def holds_trees(cache: Sequence[Any]) -> bool:
 def check_tree(cache: Sequence[Any], model_type: str) -> None:
     kinds = _not_for_trees(cache)
     if kinds:
-        raise MlxSpecError(f"tree drafts need plain KV caches or recurrent layers; this {model_type} model "
-                           f"uses {', '.join(kinds)}: draft a chain (--tree-budget 0)")
+        raise MlxSpecError(
+            f"tree drafts need plain KV caches or recurrent layers; this {model_type} model "
+            f"uses {', '.join(kinds)}: draft a chain (--tree-budget 0)"
+        )
 
 
 def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
@@ -266,7 +300,7 @@ def _rollback_rotating(c: RotatingKVCache, length: int) -> bool:
     one-token update the buffer has rotated over the entries a rollback would need."""
     n = c.offset - length
     held = c.keys.shape[2] if c.keys is not None else 0
-    if c.offset < c.max_size and c._idx == c.offset:   # not wrapped yet: index = position
+    if c.offset < c.max_size and c._idx == c.offset:  # not wrapped yet: index = position
         c.trim(n)
         return True
     if c._idx != held:
@@ -290,7 +324,7 @@ def _rollback_layer(c, length: int) -> bool:
     if isinstance(c, RotatingKVCache):
         return _rollback_rotating(c, length)
     if isinstance(c, ChunkedKVCache) and n > c.offset - c.start_position:
-        return False   # the previous chunk's entries are gone
+        return False  # the previous chunk's entries are gone
     if not c.is_trimmable():
         return False
     c.trim(n)
@@ -303,7 +337,7 @@ def _keep_rows(value, keep: int, fed: int):
     (None, "causal", a cache) stays as it is."""
     if not isinstance(value, mx.array) or value.ndim < 2:
         return value
-    return value[..., :keep, :value.shape[-1] - (fed - keep)]
+    return value[..., :keep, : value.shape[-1] - (fed - keep)]
 
 
 class Replay:
@@ -317,10 +351,10 @@ class Replay:
     layers or the output head) over the kept positions, only when a draft was rejected."""
 
     def __init__(self, start: int):
-        self.start = start        # positions cached before the pass
-        self.fed = 0              # positions the pass fed
+        self.start = start  # positions cached before the pass
+        self.fed = 0  # positions the pass fed
         self.calls = []
-        self.rows = None          # the pass's positions in the order kept (None: as fed)
+        self.rows = None  # the pass's positions in the order kept (None: as fed)
 
     def follow(self, rows: Sequence[int]) -> None:
         """Keep these of the pass's positions, in this order, instead of a prefix of them: a
@@ -347,8 +381,11 @@ class Replay:
                     return False
             if keep:
                 kept = x[:, :keep] if self.rows is None else x[:, self.rows[:keep]]
-                layer(kept, *(_keep_rows(a, keep, self.fed) for a in args),
-                      **{k: _keep_rows(v, keep, self.fed) for k, v in kwargs.items()})
+                layer(
+                    kept,
+                    *(_keep_rows(a, keep, self.fed) for a in args),
+                    **{k: _keep_rows(v, keep, self.fed) for k, v in kwargs.items()},
+                )
         mx.eval(states)
         return True
 
@@ -422,7 +459,7 @@ class RaggedKVCache(_BaseCache):
     def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None, **kwargs):
         if window_size is not None:
             raise MlxSpecError("a ragged batch cache has no sliding window")
-        if len(set(self.lengths)) == 1 and not return_array:   # aligned rows: as a KVCache's
+        if len(set(self.lengths)) == 1 and not return_array:  # aligned rows: as a KVCache's
             return "causal" if N > 1 else None
         ends = mx.array(self.lengths)[:, None, None, None] + mx.arange(N)[None, None, :, None]
         return mx.arange(max(self.lengths) + N)[None, None, None] <= ends
@@ -446,8 +483,8 @@ class RaggedKVCache(_BaseCache):
         self._reserve(end, keys, values)
         if len(set(self.lengths)) == 1:
             start = self.lengths[0]
-            self.keys[..., start:start + N, :] = keys
-            self.values[..., start:start + N, :] = values
+            self.keys[..., start : start + N, :] = keys
+            self.values[..., start : start + N, :] = values
         else:
             rows = mx.arange(len(self.lengths))[:, None]
             columns = mx.array(self.lengths)[:, None] + mx.arange(N)[None]
@@ -461,7 +498,7 @@ class RaggedKVCache(_BaseCache):
         n = cache.offset
         if not self.lengths:
             self.keys = self.values = None
-        if not n:   # a one-token prompt: nothing cached yet
+        if not n:  # a one-token prompt: nothing cached yet
             if self.keys is not None:
                 self.keys = mx.concatenate([self.keys, mx.zeros_like(self.keys[:1])])
                 self.values = mx.concatenate([self.values, mx.zeros_like(self.values[:1])])
@@ -488,7 +525,7 @@ class RaggedKVCache(_BaseCache):
         self.lengths = [self.lengths[i] for i in keep]
         if keep and self.keys is not None:
             index = mx.array(keep)
-            longest = -(-max(self.lengths) // self.step) * self.step   # release what no row needs
+            longest = -(-max(self.lengths) // self.step) * self.step  # release what no row needs
             self.keys, self.values = self.keys[index, :, :longest], self.values[index, :, :longest]
         elif not keep:
             self.keys = self.values = None
@@ -504,7 +541,7 @@ class RaggedRow(_BaseCache):
     the engine's own bookkeeping serves a row of a batch unchanged."""
 
     def __init__(self, batch: RaggedKVCache, row):
-        self.batch, self.row = batch, row   # row: anything with an `index` the batch keeps current
+        self.batch, self.row = batch, row  # row: anything with an `index` the batch keeps current
 
     @property
     def offset(self) -> int:

@@ -23,60 +23,113 @@ def setting(default, help: str, *, flag: Optional[str] = None, type: tuple = (),
 
 def source_defaults(option: str) -> str:
     """Which sources read `option`, with their defaults, from the registry: "eagle [8], ddtree [4]"."""
-    return ", ".join(f"{name} [{getattr(source.options(), option)}]" for name, source in DRAFTERS.items()
-                     if option in source.options.names())
+    return ", ".join(
+        f"{name} [{getattr(source.options(), option)}]"
+        for name, source in DRAFTERS.items()
+        if option in source.options.names()
+    )
 
 
 @dataclass(frozen=True)
 class ModelConfig:
     path_or_hf_repo: Optional[str] = setting(
-        None, "mlx-lm model: a directory or a Hugging Face repo id (default: the embedded SmolLM2-135M-Instruct).",
-        flag="--model")
-    revision: Optional[str] = setting(None, "The model's revision on the Hugging Face hub (branch, tag or commit).")
-    dtype: str = setting("auto", "auto|float32|float16|bfloat16|keep. auto: quantized weights on a GPU, float32 "
-                                 "on the CPU.")
+        None,
+        "mlx-lm model: a directory or a Hugging Face repo id (default: the embedded SmolLM2-135M-Instruct).",
+        flag="--model",
+    )
+    revision: Optional[str] = setting(
+        None, "The model's revision on the Hugging Face hub (branch, tag or commit)."
+    )
+    dtype: str = setting(
+        "auto", "auto|float32|float16|bfloat16|keep. auto: quantized weights on a GPU, float32 on the CPU."
+    )
 
 
 @dataclass(frozen=True)
 class DraftConfig:
-    draft: str = setting("lookup", f"Source of drafts: auto|{'|'.join(DRAFTERS)}. auto: the model's MTP module, "
-                                   "else a drafter published for it (`mlx-spec drafters`), else suffix.")
+    draft: str = setting(
+        "lookup",
+        f"Source of drafts: auto|{'|'.join(DRAFTERS)}. auto: the model's MTP module, "
+        "else a drafter published for it (`mlx-spec drafters`), else suffix.",
+    )
     draft_model: Optional[str] = setting(
-        None, "Drafter checkpoint or draft model: a directory or a Hugging Face repo id "
-              f"({sources_reading('draft_model').replace('|', ', ')}).")
-    download_drafter: bool = setting(False, "--draft auto: download the drafter published for the model when it "
-                                            "is not in the Hugging Face cache, without asking.", flag="--yes",
-                                     show_default=False)
+        None,
+        "Drafter checkpoint or draft model: a directory or a Hugging Face repo id "
+        f"({sources_reading('draft_model').replace('|', ', ')}).",
+    )
+    download_drafter: bool = setting(
+        False,
+        "--draft auto: download the drafter published for the model when it "
+        "is not in the Hugging Face cache, without asking.",
+        flag="--yes",
+        show_default=False,
+    )
     num_draft_tokens: Optional[int] = setting(
-        None, "Most drafts per step (default per method: " + ", ".join(
-            f"{m} {s.default_draft_tokens}" for m, s in DRAFTERS.items() if s.default_draft_tokens) + ").",
-        type=("IntRange", 0))
-    adaptive: bool = setting(True, "adaptive: verify only the drafts that pay, from their confidence and the costs "
-                                   "measured while running (none when drafting does not pay); fixed: always "
-                                   "--num-draft-tokens.", flag="--adaptive/--fixed")
-    stop_early: bool = setting(False, f"{sources_reading('stop_early').replace('|', ', ')} (chains): stop drafting "
-                                      "once the next draft would not pay (a sync per draft).", show_default=False)
-    ngram_max: Optional[int] = setting(None, f"Longest n-gram matched: {source_defaults('ngram_max')}.",
-                                       type=("IntRange", 1))
-    ngram_min: Optional[int] = setting(None, f"Shortest n-gram matched: {source_defaults('ngram_min')}.",
-                                       type=("IntRange", 1))
-    tree_budget: Optional[int] = setting(None, "Nodes of a draft tree (0: a chain of --num-draft-tokens): "
-                                               f"{source_defaults('tree_budget')}.", type=("IntRange", 0, 512))
-    tree_topk: Optional[int] = setting(None, "Children per expanded node (eagle), candidates per position: "
-                                             f"{source_defaults('tree_topk')}. --num-draft-tokens is the tree's "
-                                             "depth.", type=("IntRange", 1, 64))
+        None,
+        "Most drafts per step (default per method: "
+        + ", ".join(f"{m} {s.default_draft_tokens}" for m, s in DRAFTERS.items() if s.default_draft_tokens)
+        + ").",
+        type=("IntRange", 0),
+    )
+    adaptive: bool = setting(
+        True,
+        "adaptive: verify only the drafts that pay, from their confidence and the costs "
+        "measured while running (none when drafting does not pay); fixed: always "
+        "--num-draft-tokens.",
+        flag="--adaptive/--fixed",
+    )
+    stop_early: bool = setting(
+        False,
+        f"{sources_reading('stop_early').replace('|', ', ')} (chains): stop drafting "
+        "once the next draft would not pay (a sync per draft).",
+        show_default=False,
+    )
+    ngram_max: Optional[int] = setting(
+        None, f"Longest n-gram matched: {source_defaults('ngram_max')}.", type=("IntRange", 1)
+    )
+    ngram_min: Optional[int] = setting(
+        None, f"Shortest n-gram matched: {source_defaults('ngram_min')}.", type=("IntRange", 1)
+    )
+    tree_budget: Optional[int] = setting(
+        None,
+        f"Nodes of a draft tree (0: a chain of --num-draft-tokens): {source_defaults('tree_budget')}.",
+        type=("IntRange", 0, 512),
+    )
+    tree_topk: Optional[int] = setting(
+        None,
+        "Children per expanded node (eagle), candidates per position: "
+        f"{source_defaults('tree_topk')}. --num-draft-tokens is the tree's "
+        "depth.",
+        type=("IntRange", 1, 64),
+    )
     suffix_memory: Optional[str] = setting(
-        None, f"{sources_reading('suffix_memory').replace('|', ', ')}: the file of earlier outputs searched and fed "
-              "(default: one per model under ~/.cache/mlx-spec/suffix-memory), or off.")
-    exit_layer: Optional[int] = setting(None, "layerskip: the target's first E layers (then its norm and head) "
-                                              "draft.", type=("INT",))
+        None,
+        f"{sources_reading('suffix_memory').replace('|', ', ')}: the file of earlier outputs searched and fed "
+        "(default: one per model under ~/.cache/mlx-spec/suffix-memory), or off.",
+    )
+    exit_layer: Optional[int] = setting(
+        None, "layerskip: the target's first E layers (then its norm and head) draft.", type=("INT",)
+    )
 
     def source_options(self, dtype: str, draft: Optional[str] = None) -> SourceOptions:
         """The typed options of the source (this one's, or `draft`) from the ones given; an option
         another source reads is refused in one line."""
-        return source_options(draft or self.draft, dtype=dtype, **{
-            name: getattr(self, name) for name in ("draft_model", "ngram_max", "ngram_min", "tree_budget",
-                                                   "tree_topk", "suffix_memory", "exit_layer")})
+        return source_options(
+            draft or self.draft,
+            dtype=dtype,
+            **{
+                name: getattr(self, name)
+                for name in (
+                    "draft_model",
+                    "ngram_max",
+                    "ngram_min",
+                    "tree_budget",
+                    "tree_topk",
+                    "suffix_memory",
+                    "exit_layer",
+                )
+            },
+        )
 
 
 @dataclass(frozen=True)
@@ -85,46 +138,71 @@ class SamplingConfig:
     top_p: float = setting(1.0, "Nucleus sampling.", type=("FLOAT",))
     top_k: int = setting(0, "Top-k sampling (0: off).", type=("INT",))
     min_p: float = setting(0.0, "Min-p sampling.", type=("FLOAT",))
-    seed: Optional[int] = setting(None, "Random seed: the same seed gives the same sampled text, whatever --draft "
-                                        "(default: a fresh one, printed with the statistics when sampling).",
-                                  type=("INT",))
-    residual_sampling: bool = setting(False, "Accept sampled drafts by the residual rule (may accept more; the "
-                                             "output for a seed then depends on the draft source and timing).",
-                                      show_default=False)
+    seed: Optional[int] = setting(
+        None,
+        "Random seed: the same seed gives the same sampled text, whatever --draft "
+        "(default: a fresh one, printed with the statistics when sampling).",
+        type=("INT",),
+    )
+    residual_sampling: bool = setting(
+        False,
+        "Accept sampled drafts by the residual rule (may accept more; the "
+        "output for a seed then depends on the draft source and timing).",
+        show_default=False,
+    )
 
     def params(self):
         from .sampling import SamplingParams
 
-        return SamplingParams(temp=float(self.temp), top_p=float(self.top_p), top_k=int(self.top_k),
-                              min_p=float(self.min_p))
+        return SamplingParams(
+            temp=float(self.temp), top_p=float(self.top_p), top_k=int(self.top_k), min_p=float(self.min_p)
+        )
 
 
 @dataclass(frozen=True)
 class CacheConfig:
     max_kv_size: Optional[int] = setting(
-        None, "Bound the KV cache: the first 4 tokens and a window of the latest (mlx-lm's RotatingKVCache; models "
-              "that build their own cache keep it).", type=("IntRange", 8))
+        None,
+        "Bound the KV cache: the first 4 tokens and a window of the latest (mlx-lm's RotatingKVCache; models "
+        "that build their own cache keep it).",
+        type=("IntRange", 8),
+    )
     kv_bits: Optional[int] = setting(
-        None, "Quantize the KV cache to this many bits (2, 3, 4, 5, 6, 8; default: no quantization), with --draft "
-              "none: speculation over it would not print mlx-lm's tokens.", type=("INT",))
+        None,
+        "Quantize the KV cache to this many bits (2, 3, 4, 5, 6, 8; default: no quantization), with --draft "
+        "none: speculation over it would not print mlx-lm's tokens.",
+        type=("INT",),
+    )
     kv_group_size: int = setting(64, "Group size of the KV cache quantization (32, 64, 128).", type=("INT",))
-    quantized_kv_start: int = setting(5000, "With --kv-bits, quantize the cache once it holds this many tokens.",
-                                      type=("IntRange", 0))
+    quantized_kv_start: int = setting(
+        5000, "With --kv-bits, quantize the cache once it holds this many tokens.", type=("IntRange", 0)
+    )
 
     def quantization(self):
         from .cache import KVQuantization
 
-        return KVQuantization(self.kv_bits, self.kv_group_size, self.quantized_kv_start) if self.kv_bits else None
+        return (
+            KVQuantization(self.kv_bits, self.kv_group_size, self.quantized_kv_start)
+            if self.kv_bits
+            else None
+        )
 
 
 @dataclass(frozen=True)
 class SplitConfig:
-    sharding: Optional[str] = setting(None, "Split the target over the processes mlx.launch starts (mlx-lm's "
-                                            "sharding: tensor parallel, or pipeline stages); rank 0 drafts and "
-                                            "prints.", type=("Choice", ["tensor", "pipeline"]))
-    rank_timeout: Optional[float] = setting(None, "With --sharding: seconds a pass (or a prefill chunk) may wait for "
-                                                  "the other ranks before the run ends [120].",
-                                            type=("FloatRange", 1))
+    sharding: Optional[str] = setting(
+        None,
+        "Split the target over the processes mlx.launch starts (mlx-lm's "
+        "sharding: tensor parallel, or pipeline stages); rank 0 drafts and "
+        "prints.",
+        type=("Choice", ["tensor", "pipeline"]),
+    )
+    rank_timeout: Optional[float] = setting(
+        None,
+        "With --sharding: seconds a pass (or a prefill chunk) may wait for "
+        "the other ranks before the run ends [120].",
+        type=("FloatRange", 1),
+    )
 
     def __post_init__(self):
         if self.rank_timeout is not None and not self.sharding:
@@ -132,8 +210,13 @@ class SplitConfig:
 
 
 # The sections of EngineConfig, and the --help heading of each (None: the everyday options).
-SECTIONS = {"model": (ModelConfig, None), "draft": (DraftConfig, "Drafting"), "sampling": (SamplingConfig, "Sampling"),
-            "cache": (CacheConfig, "KV cache"), "split": (SplitConfig, "Split target")}
+SECTIONS = {
+    "model": (ModelConfig, None),
+    "draft": (DraftConfig, "Drafting"),
+    "sampling": (SamplingConfig, "Sampling"),
+    "cache": (CacheConfig, "KV cache"),
+    "split": (SplitConfig, "Split target"),
+}
 # Draft options listed with the everyday ones rather than under "Drafting".
 EVERYDAY = {"draft", "draft_model"}
 
@@ -145,7 +228,7 @@ class EngineConfig:
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     split: SplitConfig = field(default_factory=SplitConfig)
-    sessions: bool = False   # keep what a server needs to switch conversations (Engine(sessions=True))
+    sessions: bool = False  # keep what a server needs to switch conversations (Engine(sessions=True))
 
     @classmethod
     def of(cls, **settings) -> "EngineConfig":
@@ -159,13 +242,18 @@ class EngineConfig:
                 raise MlxSpecError(f"unknown argument {name!r}: mlx-spec takes {', '.join(sorted(where))}")
             if value is not None:
                 sections[where[name]][name] = value
-        return cls(**{section: SECTIONS[section][0](**values) for section, values in sections.items()},
-                   sessions=sessions)
+        return cls(
+            **{section: SECTIONS[section][0](**values) for section, values in sections.items()},
+            sessions=sessions,
+        )
 
     def flat(self) -> Dict[str, Any]:
         """The settings by name, as `of` takes them."""
-        return {f.name: getattr(getattr(self, section), f.name)
-                for section, (kind, _) in SECTIONS.items() for f in fields(kind)}
+        return {
+            f.name: getattr(getattr(self, section), f.name)
+            for section, (kind, _) in SECTIONS.items()
+            for f in fields(kind)
+        }
 
     def with_draft(self, draft: str, **changes) -> "EngineConfig":
         """The same configuration with another draft source (bench's methods)."""
@@ -176,11 +264,20 @@ def engine_settings(config: EngineConfig) -> dict:
     """Engine's keyword arguments of a configuration (the source's own options apart)."""
     draft, sampling = config.draft, config.sampling
     if draft.stop_early and not DRAFTERS[draft.draft].stops_early:
-        raise MlxSpecError(f"--stop-early is for --draft {sources_reading('stop_early')}, not --draft {draft.draft}")
-    return dict(num_draft_tokens=draft_tokens(draft.draft, draft.num_draft_tokens), sampling=sampling.params(),
-                seed=sampling.seed, residual=sampling.residual_sampling, adaptive=draft.adaptive,
-                stop_early=draft.stop_early, sessions=config.sessions,
-                kv_quantization=config.cache.quantization(), max_kv_size=config.cache.max_kv_size)
+        raise MlxSpecError(
+            f"--stop-early is for --draft {sources_reading('stop_early')}, not --draft {draft.draft}"
+        )
+    return dict(
+        num_draft_tokens=draft_tokens(draft.draft, draft.num_draft_tokens),
+        sampling=sampling.params(),
+        seed=sampling.seed,
+        residual=sampling.residual_sampling,
+        adaptive=draft.adaptive,
+        stop_early=draft.stop_early,
+        sessions=config.sessions,
+        kv_quantization=config.cache.quantization(),
+        max_kv_size=config.cache.max_kv_size,
+    )
 
 
 def build_engine(target, config: EngineConfig, split=None):

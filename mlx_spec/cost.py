@@ -18,17 +18,24 @@ acceptance rates where they lose."""
 
 
 class LinearCost:
-    def __init__(self, prior_ratio: float, decay: float = 0.95, prior_weight: float = 0.5,
-                 unknown_scale: float = 1.0, skip_first: bool = True, plain_width=None):
+    def __init__(
+        self,
+        prior_ratio: float,
+        decay: float = 0.95,
+        prior_weight: float = 0.5,
+        unknown_scale: float = 1.0,
+        skip_first: bool = True,
+        plain_width=None,
+    ):
         """unknown_scale: before anything is measured, seconds(x) = unknown_scale * (1 - r + r x),
         in the units of the other costs' guesses (0: free until measured). skip_first: the
         first step of each width pays for warm-up (allocations, graph building): not typical."""
         self.r, self.decay, self.prior_weight = prior_ratio, decay, prior_weight
         self.unknown_scale, self.skip_first = unknown_scale, skip_first
-        self.weight, self.seconds = {}, {}   # per width: decayed count and sum of seconds
+        self.weight, self.seconds = {}, {}  # per width: decayed count and sum of seconds
         self.seen = set()
         self.plain_width = plain_width
-        self.line = False   # a line is fitted (some width other than plain_width is measured)
+        self.line = False  # a line is fitted (some width other than plain_width is measured)
 
     def record(self, x: float, seconds: float) -> None:
         if self.skip_first and x not in self.seen:
@@ -66,7 +73,9 @@ class LinearCost:
             return plain
         if not self.line:
             # Nothing (or only the plain width) measured: the prior shape, through what is.
-            scale = self.unknown_scale if plain is None else plain / ((1 - self.r) + self.r * self.plain_width)
+            scale = (
+                self.unknown_scale if plain is None else plain / ((1 - self.r) + self.r * self.plain_width)
+            )
             return scale * ((1 - self.r) + self.r * x)
         # A wider verification never costs less than a plain one (noise, or a context that grew).
         return max(self.floor, self.a + self.b * x, plain or 0.0)

@@ -24,13 +24,15 @@ from .engine import Engine, PendingVerification
 from .errors import MlxSpecError, RanksLost
 
 SHARDINGS = ("tensor", "pipeline")
-RANK_TIMEOUT = 120.0   # seconds a pass (a prefill chunk) may wait for another rank before the run ends
+RANK_TIMEOUT = 120.0  # seconds a pass (a prefill chunk) may wait for another rank before the run ends
 
-ONE_CONVERSATION = ("a split target keeps one conversation (the other ranks mirror one cache): engine sessions "
-                    "do not run over --sharding")
+ONE_CONVERSATION = (
+    "a split target keeps one conversation (the other ranks mirror one cache): engine sessions "
+    "do not run over --sharding"
+)
 
 # What rank 0 asks of the others.
-STOP, FILL, VERIFY, ROLLBACK, RESET, QUANTIZE, TAPS, PLAIN = range(8)   # PLAIN: Follower.follow's `plain`
+STOP, FILL, VERIFY, ROLLBACK, RESET, QUANTIZE, TAPS, PLAIN = range(8)  # PLAIN: Follower.follow's `plain`
 
 
 def init_group(sharding: str):
@@ -39,8 +41,10 @@ def init_group(sharding: str):
         raise MlxSpecError(f"unknown sharding {sharding!r}: choose {' or '.join(SHARDINGS)}")
     group = mx.distributed.init()
     if group.size() < 2:
-        raise MlxSpecError(f"--sharding {sharding} splits the target over the processes that mlx.launch starts, "
-                           "and this one is alone: run `mlx.launch --hosts ... mlx-spec ...` (README)")
+        raise MlxSpecError(
+            f"--sharding {sharding} splits the target over the processes that mlx.launch starts, "
+            "and this one is alone: run `mlx.launch --hosts ... mlx-spec ...` (README)"
+        )
     return group
 
 
@@ -59,20 +63,27 @@ def shard_model(model, config: dict, sharding: str, group) -> None:
     model_type = config.get("model_type", "this")
     if sharding == "tensor":
         if not hasattr(model, "shard"):
-            raise MlxSpecError(f"mlx-lm cannot tensor-shard a {model_type} model"
-                               + (": try --sharding pipeline" if hasattr(getattr(model, "model", None), "pipeline")
-                                  else ""))
+            raise MlxSpecError(
+                f"mlx-lm cannot tensor-shard a {model_type} model"
+                + (": try --sharding pipeline" if hasattr(getattr(model, "model", None), "pipeline") else "")
+            )
         why = _divisible(config, group.size())
         if why:
-            raise MlxSpecError(f"cannot tensor-shard this {model_type} model over {group.size()} ranks: {why}")
+            raise MlxSpecError(
+                f"cannot tensor-shard this {model_type} model over {group.size()} ranks: {why}"
+            )
         model.shard(group)
     else:
         inner = getattr(model, "model", None)
         if not hasattr(inner, "pipeline"):
-            raise MlxSpecError(f"mlx-lm has no pipeline stages for a {model_type} model"
-                               + (": try --sharding tensor" if hasattr(model, "shard") else ""))
+            raise MlxSpecError(
+                f"mlx-lm has no pipeline stages for a {model_type} model"
+                + (": try --sharding tensor" if hasattr(model, "shard") else "")
+            )
         if len(inner.layers) < group.size():
-            raise MlxSpecError(f"the model's {len(inner.layers)} layers cannot make {group.size()} pipeline stages")
+            raise MlxSpecError(
+                f"the model's {len(inner.layers)} layers cannot make {group.size()} pipeline stages"
+            )
         inner.pipeline(group)
 
 
@@ -101,8 +112,12 @@ class Watchdog:
             time.sleep(min(1.0, self.seconds / 4))
             deadline = self.deadline
             if deadline is not None and time.monotonic() > deadline:
-                print(f"Error: the other ranks did not answer within {self.seconds:g} s ({self.what}): a rank "
-                      "hangs or cannot be reached", file=sys.stderr, flush=True)
+                print(
+                    f"Error: the other ranks did not answer within {self.seconds:g} s ({self.what}): a rank "
+                    "hangs or cannot be reached",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 os._exit(1)
 
 
@@ -116,17 +131,18 @@ class Channel:
 
     def __init__(self, group, stages: Sequence[range], watchdog: Optional[Watchdog] = None):
         self.group, self.stages, self.watchdog = group, list(stages), watchdog
-        self.broken = False   # a collective failed: a rank is gone
+        self.broken = False  # a collective failed: a rank is gone
 
     @classmethod
     def connect(cls, group, target, watchdog: Optional[Watchdog] = None) -> "Channel":
         """Every rank calls this once the target is split: they learn each other's layers."""
         held = held_layers(target)
         try:
-            stages = mx.distributed.all_gather(mx.array([[held.start, held.stop]], mx.int32), group=group,
-                                               stream=mx.cpu)
+            stages = mx.distributed.all_gather(
+                mx.array([[held.start, held.stop]], mx.int32), group=group, stream=mx.cpu
+            )
             mx.eval(stages)
-        except RuntimeError as e:   # a rank that died while loading
+        except RuntimeError as e:  # a rank that died while loading
             raise RanksLost(f"cannot reach the other ranks: {str(e).splitlines()[0]}") from None
         return cls(group, [range(a, b) for a, b in stages.tolist()], watchdog)
 
@@ -145,12 +161,12 @@ class Channel:
 
     def _exchange(self, op: int, ints: Sequence[int]) -> Tuple[int, List[int]]:
         ints = list(ints)
-        frame = [op, len(ints)] + ints[:self.FRAME] + [0] * (self.FRAME - len(ints[:self.FRAME]))
+        frame = [op, len(ints)] + ints[: self.FRAME] + [0] * (self.FRAME - len(ints[: self.FRAME]))
         if not self.leader:
             frame = [0] * len(frame)
         op, n, *payload = self._all_sum(frame)
         if n > self.FRAME:
-            rest = ints[self.FRAME:] if self.leader else [0] * (n - self.FRAME)
+            rest = ints[self.FRAME :] if self.leader else [0] * (n - self.FRAME)
             payload += self._all_sum(rest)
         return op, payload[:n]
 
@@ -171,15 +187,20 @@ class Channel:
             joined = mx.concatenate([taps[layer].astype(dtype) for layer in layers], axis=-1)
             mx.eval(mx.distributed.send(joined, 0, group=self.group, stream=mx.cpu))
 
-    def receive_taps(self, remote: Dict[int, List[int]], positions: int, hidden: int, dtype) -> Dict[int, mx.array]:
+    def receive_taps(
+        self, remote: Dict[int, List[int]], positions: int, hidden: int, dtype
+    ) -> Dict[int, mx.array]:
         """Rank 0: what send_taps sent, {layer: [1, positions, hidden]}."""
         taps = {}
         with self.watching("layer outputs from the other ranks"):
             for rank, layers in sorted(remote.items()):
-                joined = mx.distributed.recv((1, positions, hidden * len(layers)), dtype, rank, group=self.group,
-                                             stream=mx.cpu)
+                joined = mx.distributed.recv(
+                    (1, positions, hidden * len(layers)), dtype, rank, group=self.group, stream=mx.cpu
+                )
                 mx.eval(joined)
-                taps.update({layer: joined[..., i * hidden:(i + 1) * hidden] for i, layer in enumerate(layers)})
+                taps.update(
+                    {layer: joined[..., i * hidden : (i + 1) * hidden] for i, layer in enumerate(layers)}
+                )
         return taps
 
     def watching(self, what: str):
@@ -208,10 +229,12 @@ class _Watching:
         dog = self.channel.watchdog
         if dog:
             dog.deadline, dog.what = self.outer
-        if isinstance(error, RuntimeError):   # MLX's collectives raise it when a peer is gone
+        if isinstance(error, RuntimeError):  # MLX's collectives raise it when a peer is gone
             self.channel.broken = True
-            raise RanksLost(f"the split target failed ({self.what}): {str(error).splitlines()[0]}; "
-                            "a rank stopped or cannot be reached") from None
+            raise RanksLost(
+                f"the split target failed ({self.what}): {str(error).splitlines()[0]}; "
+                "a rank stopped or cannot be reached"
+            ) from None
         return False
 
 
@@ -221,7 +244,7 @@ class SplitEngine(Engine):
     tree sources verify their chains. Orders carry how many tokens rank 0's cache holds, which
     each follower checks (out of step: it stops, and the run ends in one line)."""
 
-    in_pass = False   # an order of a pass was sent, and the pass is not over on this rank
+    in_pass = False  # an order of a pass was sent, and the pass is not over on this rank
 
     def __init__(self, target, drafter, channel: Channel, **settings):
         self.channel, self.closed = channel, False
@@ -230,13 +253,17 @@ class SplitEngine(Engine):
         if drafter is not None and drafter.tree:
             chains = drafter.chains()
             if chains is None:
-                raise MlxSpecError("this draft source drafts trees only, which a split target does not verify: "
-                                   "use its chains (--tree-budget 0) or another source")
+                raise MlxSpecError(
+                    "this draft source drafts trees only, which a split target does not verify: "
+                    "use its chains (--tree-budget 0) or another source"
+                )
             drafter = chains
         super().__init__(target, drafter, **settings)
         if self.drafter.verify_forward is not None:
-            raise MlxSpecError("this draft source runs the target's own layers on one process: with --sharding "
-                               "use lookup, suffix, a draft model, EAGLE-3, DFlash, MTP or Medusa")
+            raise MlxSpecError(
+                "this draft source runs the target's own layers on one process: with --sharding "
+                "use lookup, suffix, a draft model, EAGLE-3, DFlash, MTP or Medusa"
+            )
         # The drafter's taps that other ranks compute (pipeline stages): sent after each pass.
         self.remote: Dict[int, List[int]] = {}
         for layer in sorted(self.drafter.taps):
@@ -245,19 +272,25 @@ class SplitEngine(Engine):
                 self.remote.setdefault(rank, []).append(layer)
         size = channel.group.size()
         far = [rank for rank in self.remote if rank not in (1, size - 1)]
-        if far:   # MLX's ring backend sends only between neighbours
-            raise MlxSpecError(f"the drafter reads layers {self.remote[far[0]]}, which pipeline rank {far[0]} of {size} "
-                               "holds, and a rank sends only to its neighbours: use --sharding tensor, at most 3 "
-                               "pipeline ranks, or a source that reads the last layers (mtp) or none")
-        self.channel.send(RESET)   # the other ranks start this engine's cache as it starts here
-        self.channel.send(TAPS, [v for rank, layers in self.remote.items() for layer in layers for v in (rank, layer)])
+        if far:  # MLX's ring backend sends only between neighbours
+            raise MlxSpecError(
+                f"the drafter reads layers {self.remote[far[0]]}, which pipeline rank {far[0]} of {size} "
+                "holds, and a rank sends only to its neighbours: use --sharding tensor, at most 3 "
+                "pipeline ranks, or a source that reads the last layers (mtp) or none"
+            )
+        self.channel.send(RESET)  # the other ranks start this engine's cache as it starts here
+        self.channel.send(
+            TAPS, [v for rank, layers in self.remote.items() for layer in layers for v in (rank, layer)]
+        )
 
     def spawn(self):
         raise MlxSpecError("a split target (--sharding) runs one generation at a time")
 
     def resume(self, cache):
-        raise MlxSpecError("a prompt cache file holds the whole model's cache, not a rank's shard: "
-                           "--prompt-cache-file does not run with --sharding")
+        raise MlxSpecError(
+            "a prompt cache file holds the whole model's cache, not a rank's shard: "
+            "--prompt-cache-file does not run with --sharding"
+        )
 
     def attach(self, session):
         raise MlxSpecError(ONE_CONVERSATION)
@@ -283,13 +316,14 @@ class SplitEngine(Engine):
         # An error or Ctrl-C inside a pass leaves the others in it; a lost rank said so already.
         if self.in_pass and not self.channel.broken:
             self.channel.broken = True
-            raise RanksLost("a pass of the split target was interrupted, which leaves the ranks out of step: "
-                            "the run ends")
+            raise RanksLost(
+                "a pass of the split target was interrupted, which leaves the ranks out of step: the run ends"
+            )
         self.channel.send(RESET)
         super().reset()
 
     def _roll_back(self, length: int) -> None:
-        if length < len(self.cached_tokens):   # else nothing to drop (a step that kept every draft)
+        if length < len(self.cached_tokens):  # else nothing to drop (a step that kept every draft)
             self.channel.send(ROLLBACK, [len(self.cached_tokens), length])
         super()._roll_back(length)
 
@@ -306,7 +340,7 @@ class SplitEngine(Engine):
         return taps
 
     def chain_pass(self, inputs: mx.array, start: int):
-        self.channel.send(VERIFY, [len(self.cached_tokens)] + inputs.tolist())   # evaluates lazy drafts
+        self.channel.send(VERIFY, [len(self.cached_tokens)] + inputs.tolist())  # evaluates lazy drafts
         self.in_pass = True
         return super().chain_pass(inputs, start)
 
@@ -317,8 +351,12 @@ class SplitEngine(Engine):
     def _with_remote(self, taps: Dict[int, mx.array], positions: int) -> Dict[int, mx.array]:
         if not self.remote:
             return taps
-        return {**taps, **self.channel.receive_taps(self.remote, positions, self.target.hidden_size,
-                                                    tap_dtype(self.target))}
+        return {
+            **taps,
+            **self.channel.receive_taps(
+                self.remote, positions, self.target.hidden_size, tap_dtype(self.target)
+            ),
+        }
 
     def filled(self, chunk, taps, pieces) -> None:
         super().filled(chunk, self._with_remote(taps, len(chunk)), pieces)
@@ -332,8 +370,8 @@ class SplitEngine(Engine):
     def _pass(self, pending):
         reply = super()._pass(pending)
         if self.kv_quantization and isinstance(pending, PendingVerification):
-            self.channel.send(QUANTIZE)   # as this rank did after the verification (a prefill's
-        return reply                       # chunks quantize alike on every rank)
+            self.channel.send(QUANTIZE)  # as this rank did after the verification (a prefill's
+        return reply  # chunks quantize alike on every rank)
 
     def close(self) -> None:
         """Let the other ranks go (their `follow` returns); once, whoever calls it first (the
@@ -381,8 +419,10 @@ class Follower(Engine):
 
     def _in_step(self, held: int) -> None:
         if held != len(self.cached_tokens):
-            raise MlxSpecError(f"rank {self.channel.group.rank()} is out of step with rank 0: its cache holds "
-                               f"{len(self.cached_tokens)} tokens, rank 0's {held}")
+            raise MlxSpecError(
+                f"rank {self.channel.group.rank()} is out of step with rank 0: its cache holds "
+                f"{len(self.cached_tokens)} tokens, rank 0's {held}"
+            )
 
     def follow(self, plain: Optional[Callable[[List[int]], None]] = None) -> None:
         """Until rank 0 says STOP. plain: what a PLAIN order runs on every rank (the benchmark's
@@ -425,10 +465,13 @@ class SplitTarget:
         from .models.target import load_target
 
         group = init_group(sharding)
-        self.target = load_target(path, dtype, shard=lambda model, config: shard_model(model, config, sharding, group))
+        self.target = load_target(
+            path, dtype, shard=lambda model, config: shard_model(model, config, sharding, group)
+        )
         self.leader = group.rank() == 0
-        self.channel = Channel.connect(group, self.target,
-                                       Watchdog(rank_timeout or RANK_TIMEOUT) if self.leader else None)
+        self.channel = Channel.connect(
+            group, self.target, Watchdog(rank_timeout or RANK_TIMEOUT) if self.leader else None
+        )
 
     def engine(self, drafter, **settings) -> SplitEngine:
         """Rank 0's engine; one refused (MlxSpecError) lets the others go first."""
@@ -438,7 +481,7 @@ class SplitTarget:
             try:
                 self.close()
             except MlxSpecError:
-                pass   # they ended already (they refused the same settings): this rank's reason stands
+                pass  # they ended already (they refused the same settings): this rank's reason stands
             raise
 
     def follow(self, plain: Optional[Callable[[List[int]], None]] = None, **settings) -> None:
@@ -447,7 +490,7 @@ class SplitTarget:
         try:
             Follower(self.target, self.channel, **settings).follow(plain)
         except RuntimeError:
-            sys.exit(1)   # rank 0 is gone: it says why
+            sys.exit(1)  # rank 0 is gone: it says why
         except MlxSpecError as e:
             print(f"mlx-spec: rank {self.channel.group.rank()}: {e}", file=sys.stderr)
             sys.exit(1)

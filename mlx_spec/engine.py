@@ -45,9 +45,9 @@ from .sampling import Sampler, SamplingParams
 from .tree import Tree, compact, tree_forward, verify_tree
 from .verify import verify_chain
 
-PREFILL_CHUNK = 2048   # mlx-lm's prefill_step_size
+PREFILL_CHUNK = 2048  # mlx-lm's prefill_step_size
 PREDICTED_DRAFTS = 16  # the most drafts per step where a request's prediction drafts
-UNKNOWN_TOKEN = -1     # a cached position whose token is not known (Engine.resume)
+UNKNOWN_TOKEN = -1  # a cached position whose token is not known (Engine.resume)
 
 
 @dataclass
@@ -55,40 +55,47 @@ class Session:
     """What the engine keeps of one conversation: the target's cache and the tokens in it, and,
     for drafters that read the target's features, those features at every cached position, so
     that the drafter can be rebuilt over a session put back without another target pass."""
+
     tokens: List[int] = field(default_factory=list)
     cache: List[Any] = field(default_factory=list)
-    taps: Dict[int, List[mx.array]] = field(default_factory=dict)   # layer -> pieces [1, n, H]
+    taps: Dict[int, List[mx.array]] = field(default_factory=dict)  # layer -> pieces [1, n, H]
 
     @property
     def nbytes(self) -> int:
-        return (sum(c.nbytes for c in self.cache)
-                + sum(piece.nbytes for pieces in self.taps.values() for piece in pieces))
+        return sum(c.nbytes for c in self.cache) + sum(
+            piece.nbytes for pieces in self.taps.values() for piece in pieces
+        )
 
     def copy(self) -> "Session":
-        return Session(list(self.tokens), copy.deepcopy(self.cache),
-                       {layer: list(pieces) for layer, pieces in self.taps.items()})
+        return Session(
+            list(self.tokens),
+            copy.deepcopy(self.cache),
+            {layer: list(pieces) for layer, pieces in self.taps.items()},
+        )
 
 
 @dataclass(frozen=True)
 class GenerationOptions:
     """What one generation asks besides its prompt, length and sampling."""
+
     # mlx-lm's logits processors (make_logits_processors: penalties, logit bias): pure functions
     # of (the tokens before a position, its logits [1, V]); applied at every verified position
     # to the tokens before it, drafts included, exactly as one-token decoding would see them.
     logits_processors: Tuple[Callable, ...] = ()
-    logprobs: Optional[int] = None   # report each token's log-probability and this many alternatives
-    distribution: bool = False       # and the whole distribution at its position (mlx-lm's logprobs [V])
-    prediction: Tuple[int, ...] = () # the reply expected (OpenAI's Predicted Outputs): it drafts too
+    logprobs: Optional[int] = None  # report each token's log-probability and this many alternatives
+    distribution: bool = False  # and the whole distribution at its position (mlx-lm's logprobs [V])
+    prediction: Tuple[int, ...] = ()  # the reply expected (OpenAI's Predicted Outputs): it drafts too
 
 
 @dataclass
 class Verdict:
     """What one verification pass decided; the cache already ends after the accepted drafts."""
-    drafts: List[int]             # the drafts verified
-    path: List[int]               # indices into drafts of the accepted ones, root to leaf
-    next_token: int               # the target's own token after them
-    taps: Dict[int, mx.array]     # the target's features at [last token, accepted drafts]
-    seconds: float = 0.0          # what the pass cost this sequence (a batch's pass is shared)
+
+    drafts: List[int]  # the drafts verified
+    path: List[int]  # indices into drafts of the accepted ones, root to leaf
+    next_token: int  # the target's own token after them
+    taps: Dict[int, mx.array]  # the target's features at [last token, accepted drafts]
+    seconds: float = 0.0  # what the pass cost this sequence (a batch's pass is shared)
     # Per committed token (the accepted drafts, then next_token), where the generation asks.
     logprobs: Optional[List[TokenLogprobs]] = None
 
@@ -98,6 +105,7 @@ class PendingPrefill:
     """The cache must hold `tokens` (it holds a prefix of them, engine.cached_tokens, and at most
     PREFILL_CHUNK fewer): the coroutine (Engine.run) is sent the taps {layer: [1, n, H]} of the
     positions computed."""
+
     tokens: List[int]
 
 
@@ -106,8 +114,9 @@ class PendingVerification:
     """A step's drafts, waiting for the target's pass: Engine.generate runs it at once, a
     BatchEngine one pass for every sequence's (batch.py). The coroutine that yielded it
     (Engine.run) is sent the Verdict."""
-    context: List[int]            # every committed token; the last one is not in the cache yet
-    draft: Draft                  # what the policy kept, as verify takes it
+
+    context: List[int]  # every committed token; the last one is not in the cache yet
+    draft: Draft  # what the policy kept, as verify takes it
     # The policy's P(the accepted path reaches each draft); None: no policy, verify them all.
     # A batch may verify only a chain's first drafts where the wider pass would not pay.
     reach: Optional[List[float]] = None
@@ -116,11 +125,12 @@ class PendingVerification:
 @dataclass
 class StepResult:
     """One verification step, as the stats and the output read it."""
-    proposed: int                 # draft tokens the drafter proposed
-    drafts: List[int]             # those verified
-    path: List[int]               # indices into drafts of the accepted ones
+
+    proposed: int  # draft tokens the drafter proposed
+    drafts: List[int]  # those verified
+    path: List[int]  # indices into drafts of the accepted ones
     next_token: int
-    logprobs: Optional[List[TokenLogprobs]] = None   # the verdict's
+    logprobs: Optional[List[TokenLogprobs]] = None  # the verdict's
 
     @property
     def accepted(self) -> List[int]:
@@ -130,11 +140,21 @@ class StepResult:
 class Engine:
     """One target, one drafter, one KV cache kept across calls (a chat session)."""
 
-    def __init__(self, target, drafter: Optional[Drafter] = None, num_draft_tokens: int = 8,
-                 sampling: SamplingParams = SamplingParams(), seed: Optional[int] = None,
-                 residual: bool = False, adaptive: bool = True, policy: Optional[DraftPolicy] = None,
-                 stop_early: bool = False, sessions: bool = False,
-                 kv_quantization: Optional[KVQuantization] = None, max_kv_size: Optional[int] = None):
+    def __init__(
+        self,
+        target,
+        drafter: Optional[Drafter] = None,
+        num_draft_tokens: int = 8,
+        sampling: SamplingParams = SamplingParams(),
+        seed: Optional[int] = None,
+        residual: bool = False,
+        adaptive: bool = True,
+        policy: Optional[DraftPolicy] = None,
+        stop_early: bool = False,
+        sessions: bool = False,
+        kv_quantization: Optional[KVQuantization] = None,
+        max_kv_size: Optional[int] = None,
+    ):
         """num_draft_tokens: the most drafts per step; adaptive: the policy decides how many
         (policy.py), else always that many. seed None: a fresh one (reported in the stats, so
         that the output can be repeated). residual: the classic acceptance rule (sampling.py).
@@ -143,28 +163,47 @@ class Engine:
         `detach`/`attach` need to switch between conversations (the drafter's taps).
         kv_quantization: mlx-lm's --kv-bits family (cache.KVQuantization); max_kv_size: its
         --max-kv-size (cache.BoundedKVCache)."""
-        self.settings = dict(num_draft_tokens=num_draft_tokens, sampling=sampling, seed=seed, residual=residual,
-                             adaptive=adaptive, policy=policy, stop_early=stop_early, sessions=sessions,
-                             kv_quantization=kv_quantization, max_kv_size=max_kv_size)
+        self.settings = dict(
+            num_draft_tokens=num_draft_tokens,
+            sampling=sampling,
+            seed=seed,
+            residual=residual,
+            adaptive=adaptive,
+            policy=policy,
+            stop_early=stop_early,
+            sessions=sessions,
+            kv_quantization=kv_quantization,
+            max_kv_size=max_kv_size,
+        )
         self.kv_quantization, self.max_kv_size = kv_quantization, max_kv_size
         self.target = target
         self.drafter = drafter or NoDrafter()
         self.speculative = not isinstance(self.drafter, NoDrafter)
         self.num_draft_tokens = num_draft_tokens
-        self.sampling = sampling.check(target.vocab_size)   # for calls that give none
-        self.seed = seed   # None: a fresh one now, and per call where the caller wants (api.py)
+        self.sampling = sampling.check(target.vocab_size)  # for calls that give none
+        self.seed = seed  # None: a fresh one now, and per call where the caller wants (api.py)
         self.sampler = Sampler(self.sampling, secrets.randbits(32) if seed is None else seed, residual)
         self.policy = (policy or DraftPolicy()) if adaptive and self.speculative else None
-        self.options = GenerationOptions()   # the current generation's (run)
-        self.plan = DraftPlan(num_draft_tokens)   # this step's, which --stop-early consults
+        self.options = GenerationOptions()  # the current generation's (run)
+        self.plan = DraftPlan(num_draft_tokens)  # this step's, which --stop-early consults
         self.keep_taps = sessions and bool(self.drafter.taps)
-        self.drafter_stale = False   # True: the drafter's state is of another conversation
+        self.drafter_stale = False  # True: the drafter's state is of another conversation
         self._attach(Session(cache=make_cache(target.model, max_kv_size)))
         # What the drafter shares with the engine, handed over once: the sampler (it draws with
         # the same noise), the target's cache as it is now, the policy's stopping rule.
-        self.drafter.bind(self.sampler, lambda: self.cache, (
-            (lambda confidence: self.policy.worth_extending(confidence, len(confidence), self.plan.probing))
-            if stop_early and self.policy else None))
+        self.drafter.bind(
+            self.sampler,
+            lambda: self.cache,
+            (
+                (
+                    lambda confidence: self.policy.worth_extending(
+                        confidence, len(confidence), self.plan.probing
+                    )
+                )
+                if stop_early and self.policy
+                else None
+            ),
+        )
         if kv_quantization:
             kv_quantization.check(self.cache, target.model_type, self.speculative)
         if self.speculative:
@@ -240,11 +279,14 @@ class Engine:
         prompt is then [UNKNOWN_TOKEN] * n + what follows them. Returns n. Drafters that read the
         cached context (its features, or its tokens through a model) cannot continue it."""
         if self.drafter.reads_cached_context:
-            raise MlxSpecError("a prompt cache file holds no tokens, which this draft source reads for the "
-                               "cached prompt: use --draft lookup, suffix or none")
+            raise MlxSpecError(
+                "a prompt cache file holds no tokens, which this draft source reads for the "
+                "cached prompt: use --draft lookup, suffix or none"
+            )
         if self.speculative and is_quantized(cache):
-            raise MlxSpecError(f"the prompt cache file is quantized (--kv-bits): {QUANTIZED_SPECULATION}: "
-                               "use --draft none")
+            raise MlxSpecError(
+                f"the prompt cache file is quantized (--kv-bits): {QUANTIZED_SPECULATION}: use --draft none"
+            )
         n = max(c.offset for c in cache if hasattr(c, "offset"))
         self._attach(Session([UNKNOWN_TOKEN] * n, list(cache)))
         return n
@@ -266,16 +308,17 @@ class Engine:
             self.reset()
         self.cached_tokens = self.cached_tokens[:length]
         if self.keep_taps:
-            self.session.taps = {layer: _first_positions(pieces, length)
-                                 for layer, pieces in self.session.taps.items()}
+            self.session.taps = {
+                layer: _first_positions(pieces, length) for layer, pieces in self.session.taps.items()
+            }
 
     def _fill(self, tokens: List[int]):
         """Run the target over the tokens not yet cached (in chunks), so that the cache holds
         `tokens`; the taps of the positions it ran."""
         pieces = {}
-        self.replay = None   # it replays from the state before the verification pass
+        self.replay = None  # it replays from the state before the verification pass
         for i in range(len(self.cached_tokens), len(tokens), PREFILL_CHUNK):
-            chunk = tokens[i:min(i + PREFILL_CHUNK, len(tokens))]
+            chunk = tokens[i : min(i + PREFILL_CHUNK, len(tokens))]
             _, taps = self.target.forward(mx.array(chunk)[None], self.cache, self.prefill_taps)
             mx.eval([c.state for c in self.cache], taps)
             self.filled(chunk, taps, pieces)
@@ -306,8 +349,9 @@ class Engine:
             return list(range(len(proposal)))
         mx.eval(proposal.tokens, proposal.confidence)
         self.policy.record_drafting(proposal.positions, time.perf_counter() - tic, self.plan.probing)
-        return self.policy.select(proposal.confidences, proposal.parent_nodes, proposal.positions,
-                                  self.plan.probing)
+        return self.policy.select(
+            proposal.confidences, proposal.parent_nodes, proposal.positions, self.plan.probing
+        )
 
     def _verify(self, context: List[int], draft: Draft) -> Verdict:
         """One target pass over [last token] + drafts and the verdict, with one sync; the cache
@@ -337,8 +381,12 @@ class Engine:
         verdict = self._kept(context, drafts, path, next_token, taps, mx.array(nodes))
         tokens = mx.array([drafts[i] for i in path] + [next_token], mx.int32)
         if self.options.logprobs is not None:
-            verdict.logprobs = token_logprobs(LogprobRows(logits[mx.array(nodes)], tokens, self.options.logprobs,
-                                                          self.options.distribution), len(nodes))
+            verdict.logprobs = token_logprobs(
+                LogprobRows(
+                    logits[mx.array(nodes)], tokens, self.options.logprobs, self.options.distribution
+                ),
+                len(nodes),
+            )
         return verdict
 
     def processed(self, logits: mx.array, context: List[int], drafts: mx.array, tree: Optional[Tree] = None):
@@ -353,7 +401,7 @@ class Engine:
         for i in range(logits.shape[0]):
             path = list(range(i)) if tree is None else [node - 1 for node in tree.path_to(i)[1:]]
             on_path = drafts[mx.array(path, mx.int32)] if path else drafts[:0]
-            tokens, row = mx.concatenate([before, on_path]), logits[i:i + 1]
+            tokens, row = mx.concatenate([before, on_path]), logits[i : i + 1]
             for processor in processors:
                 row = processor(tokens, row)
             rows.append(row)
@@ -377,8 +425,15 @@ class Engine:
         with verification(self.cache):
             return forward(inputs[None], self.cache, self.drafter.taps, replay=self.replay)
 
-    def settle_chain(self, context: List[int], drafts: List[int], n_accepted: int, next_token: int,
-                     taps: Dict[int, mx.array], logprobs=None) -> Verdict:
+    def settle_chain(
+        self,
+        context: List[int],
+        drafts: List[int],
+        n_accepted: int,
+        next_token: int,
+        taps: Dict[int, mx.array],
+        logprobs=None,
+    ) -> Verdict:
         """After a pass over [context[-1]] + drafts (and whatever padding followed them, in a
         batch): keep the accepted drafts in the cache, drop the rest. taps: [1, width, H];
         logprobs: chain_logprobs' rows (None: not asked)."""
@@ -409,8 +464,8 @@ class Engine:
             reach = self.policy.reach(proposal.confidences, proposal.parent_nodes, self.plan.probing)
             reach = [reach[i] for i in kept]
         verdict = yield PendingVerification(context, proposal.subset(kept).as_chain(), reach)
-        kept = kept[:len(verdict.drafts)]        # what was verified (a batch may cut a chain)
-        path = [kept[i] for i in verdict.path]   # in the proposal's indices
+        kept = kept[: len(verdict.drafts)]  # what was verified (a batch may cut a chain)
+        path = [kept[i] for i in verdict.path]  # in the proposal's indices
         if self.policy:
             self.policy.record_verification(1 + len(verdict.drafts), verdict.seconds)
             self.policy.observe(StepOutcome(proposal.confidences, proposal.parent_nodes, kept, path))
@@ -426,7 +481,7 @@ class Engine:
             # the target's features of the position before it.
             start -= 1
         self._roll_back(start)
-        start = len(self.cached_tokens)   # 0 when the cache could not roll back
+        start = len(self.cached_tokens)  # 0 when the cache could not roll back
         # A chunk per pass: a batch's other rows go on between them, a caller sees the progress
         # (and may stop there).
         pieces, prompt = {}, list(context[:-1])
@@ -447,9 +502,15 @@ class Engine:
         self.drafter.prefill(list(context), taps, start)
         return reused
 
-    def generate(self, prompt: Sequence[int], max_tokens: int = 256, stop_strings: Sequence[str] = (),
-                 sampling: Optional[SamplingParams] = None, seed: Optional[int] = None,
-                 options: GenerationOptions = GenerationOptions()) -> Iterator[Event]:
+    def generate(
+        self,
+        prompt: Sequence[int],
+        max_tokens: int = 256,
+        stop_strings: Sequence[str] = (),
+        sampling: Optional[SamplingParams] = None,
+        seed: Optional[int] = None,
+        options: GenerationOptions = GenerationOptions(),
+    ) -> Iterator[Event]:
         """sampling: this call's settings (default: the engine's); seed: this call's and the
         next calls' (default: the last one); options: logits processors, logprobs, a prediction."""
         run = self.run(prompt, max_tokens, stop_strings, sampling, seed, options)
@@ -460,7 +521,7 @@ class Engine:
                     try:
                         reply = self._pass(event)
                     except BaseException as e:
-                        event = run.throw(e)   # it starts over, and raises e
+                        event = run.throw(e)  # it starts over, and raises e
                         continue
                     event = run.send(reply)
                 else:
@@ -481,9 +542,15 @@ class Engine:
         verdict.seconds = time.perf_counter() - tic
         return verdict
 
-    def run(self, prompt: Sequence[int], max_tokens: int = 256, stop_strings: Sequence[str] = (),
-            sampling: Optional[SamplingParams] = None, seed: Optional[int] = None,
-            options: GenerationOptions = GenerationOptions()):
+    def run(
+        self,
+        prompt: Sequence[int],
+        max_tokens: int = 256,
+        stop_strings: Sequence[str] = (),
+        sampling: Optional[SamplingParams] = None,
+        seed: Optional[int] = None,
+        options: GenerationOptions = GenerationOptions(),
+    ):
         """generate as a coroutine that leaves the target's passes to its caller: it yields
         generate's events, a PendingPrefill (to be sent the taps) and, at each step, a
         PendingVerification (to be sent the Verdict)."""
@@ -504,8 +571,10 @@ class Engine:
         """The engine's drafter with a request's prediction before it (drafters/prediction.py);
         drafting adapts as for any source (a policy of its own where the engine drafts nothing)."""
         if self.drafter.verify_forward is not None:
-            raise MlxSpecError("a prediction drafts beside the engine's source, and this one runs the target's "
-                               "own layers: use another --draft")
+            raise MlxSpecError(
+                "a prediction drafts beside the engine's source, and this one runs the target's "
+                "own layers: use another --draft"
+            )
         check_speculation(self.cache, self.target.model_type)
         if self.policy is None and self.settings["adaptive"]:
             self.policy = DraftPolicy()
@@ -523,7 +592,7 @@ class Engine:
         yield Prefilled(stats)
 
         output = _Output(self.target, stop_strings, max_tokens, stats)
-        context = list(prompt)      # every committed token; context[-1] is not in the cache yet
+        context = list(prompt)  # every committed token; context[-1] is not in the cache yet
         tic = time.perf_counter()
         try:
             while not stats.finish_reason:
@@ -541,24 +610,24 @@ class Engine:
                 stats.committed_tokens += len(accepted) + 1
                 yield Step(len(step.drafts), len(accepted))
 
-                for i, token in enumerate(accepted + [step.next_token]):   # EOS, a stop string or the
-                    context.append(token)                                   # limit may end the output
-                    logprobs = step.logprobs[i] if step.logprobs else None   # inside the drafts
+                for i, token in enumerate(accepted + [step.next_token]):  # EOS, a stop string or the
+                    context.append(token)  # limit may end the output
+                    logprobs = step.logprobs[i] if step.logprobs else None  # inside the drafts
                     yield from output.add(token, i < len(accepted), logprobs)
                     if stats.finish_reason:
                         break
             yield from output.flush()
-        except GeneratorExit:   # closed at an event: the cache holds what it says it holds
+        except GeneratorExit:  # closed at an event: the cache holds what it says it holds
             stats.finish_reason = stats.finish_reason or "interrupted"
             stats.generate_seconds = time.perf_counter() - tic
             raise
         except BaseException:
-            self.reset()   # an interrupted step leaves cache and drafter out of step
+            self.reset()  # an interrupted step leaves cache and drafter out of step
             raise
         stats.generate_seconds = time.perf_counter() - tic
         # Drafts committed past EOS/stop/limit are dropped: the cache keeps only what is kept.
         self._roll_back(len(context) - 1)
-        self.drafter.finish(context[len(prompt):])
+        self.drafter.finish(context[len(prompt) :])
         yield Done(stats)
 
     def _check(self, prompt: List[int], max_tokens: int) -> None:
@@ -570,7 +639,8 @@ class Engine:
         if limit is not None and len(prompt) + max_tokens > limit:
             raise MlxSpecError(
                 f"prompt ({len(prompt)} tokens) + max tokens ({max_tokens}) exceed the model's "
-                f"context of {limit} tokens")
+                f"context of {limit} tokens"
+            )
 
 
 def _first_positions(pieces: List[mx.array], length: int) -> List[mx.array]:
@@ -609,10 +679,10 @@ class _Output:
         else:  # hold back a suffix that a stop string starts with
             for s in self.stop_strings:
                 for n in range(min(len(s) - 1, end - self.printed), 0, -1):
-                    if s.startswith(self.text[len(self.text) - n:]):
+                    if s.startswith(self.text[len(self.text) - n :]):
                         end = min(end, len(self.text) - n)
                         break
-        segment, self.printed = self.text[self.printed:end], max(self.printed, end)
+        segment, self.printed = self.text[self.printed : end], max(self.printed, end)
         return segment
 
     def add(self, token: int, from_draft: bool, logprobs: Optional[TokenLogprobs] = None):
@@ -633,5 +703,5 @@ class _Output:
             self.detokenizer.finalize()
             self.text += self.detokenizer.last_segment
             # Nothing more will come: what was held back for a stop string is text after all.
-            if self.text[self.printed:]:
-                yield Text(self.text[self.printed:])
+            if self.text[self.printed :]:
+                yield Text(self.text[self.printed :])

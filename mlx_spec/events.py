@@ -19,17 +19,17 @@ STATISTICS = {
     "prompt_cached": "prompt tokens whose K/V the cache already held (an earlier call or request)",
     "prompt_seconds": "seconds computing the other prompt tokens but the last (the first step feeds it)",
     "prompt_tokens_per_second": "those tokens per second; null where there were none (a one-token prompt, "
-                                "or a prompt the cache held but its last token)",
+    "or a prompt the cache held but its last token)",
     "generated_tokens": "tokens of the reply (an end-of-text token that ends it is not one)",
     "generate_seconds": "seconds from the end of the prompt to the end of the reply",
     "tokens_per_second": "generated_tokens / generate_seconds",
     "steps": "verification steps: target passes over [last token + the drafts kept]",
     "plain_steps": "steps that verified no draft (the policy judged drafting not worth it, or nothing was drafted)",
     "committed_tokens": "tokens the steps committed: accepted drafts + one target token per step (an "
-                        "end-of-text token included)",
+    "end-of-text token included)",
     "tokens_per_step": "committed_tokens / steps (tau; plain decoding: 1)",
     "drafted_tokens": "tokens the drafter proposed, verified or not (a tree's nodes; the policy verifies "
-                      "only those that pay)",
+    "only those that pay)",
     "verified_drafts": "drafted tokens a step verified",
     "verified_drafts_per_step": "verified_drafts / steps",
     "accepted_drafts": "verified drafts the target accepted (each a token committed without a pass of its own)",
@@ -43,6 +43,7 @@ STATISTICS = {
 @dataclass
 class Stats:
     """A generation's record (STATISTICS defines each figure)."""
+
     prompt_tokens: int = 0
     prompt_cached: int = 0
     prompt_seconds: float = 0.0
@@ -87,6 +88,7 @@ class Stats:
 class Prefilling:
     """Part of a long prompt is in the cache (a chunk of PREFILL_CHUNK tokens at a time): `done`
     of the `total` tokens a prefill computes (those not already cached)."""
+
     done: int
     total: int
 
@@ -94,12 +96,14 @@ class Prefilling:
 @dataclass(frozen=True)
 class Prefilled:
     """The prompt is in the cache; `stats` is the generation's record, filled in as it goes."""
+
     stats: Stats
 
 
 @dataclass(frozen=True)
 class Step:
     """One verification step: how many drafts it verified, how many of them it accepted."""
+
     verified: int
     accepted: int
 
@@ -113,36 +117,41 @@ class Step:
 class TokenLogprobs:
     """The target's log-probability of a committed token at its position (after the logits
     processors, before temperature, as mlx-lm reports it) and the most likely alternatives."""
+
     logprob: float
-    top: Tuple[Tuple[int, float], ...] = ()   # (token id, log-probability), most likely first
-    distribution: Any = None                  # mx.array [V]: every token's (mlx-lm's `logprobs`)
+    top: Tuple[Tuple[int, float], ...] = ()  # (token id, log-probability), most likely first
+    distribution: Any = None  # mx.array [V]: every token's (mlx-lm's `logprobs`)
 
 
 @dataclass(frozen=True)
 class Token:
     """A committed token of the reply and the text it releases ("" while the detokenizer, or a
     possible stop string, holds text back)."""
+
     id: int
     text: str
-    from_draft: bool = False   # an accepted draft, not the target's own token of its step
-    logprobs: Optional[TokenLogprobs] = None   # where the generation asked for them
+    from_draft: bool = False  # an accepted draft, not the target's own token of its step
+    logprobs: Optional[TokenLogprobs] = None  # where the generation asked for them
 
 
 @dataclass(frozen=True)
 class Text:
     """Text released without a token of its own (the detokenizer's rest, at the end)."""
+
     text: str
 
 
 @dataclass(frozen=True)
 class Done:
     """The generation ended; `stats` is complete."""
+
     stats: Stats
 
 
 @dataclass(frozen=True)
 class Failed:
     """A batched generation failed and left the batch (the others go on)."""
+
     error: Exception
 
 
@@ -154,11 +163,12 @@ class Collector:
     """A generation's events gathered: the reply's tokens and text, its stats, and how many
     steps committed each number of tokens. add() returns the event, so that a loop can collect
     and act at once."""
+
     tokens: List[int] = field(default_factory=list)
     pieces: List[str] = field(default_factory=list)
     from_draft: List[bool] = field(default_factory=list)
     logprobs: List[Optional[TokenLogprobs]] = field(default_factory=list)
-    histogram: Counter = field(default_factory=Counter)   # tokens committed per step -> steps
+    histogram: Counter = field(default_factory=Counter)  # tokens committed per step -> steps
     stats: Optional[Stats] = None
     error: Optional[Exception] = None
 
@@ -194,4 +204,3 @@ class Collector:
             if isinstance(event, Failed):
                 raise event.error
         return collector
-

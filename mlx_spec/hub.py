@@ -11,8 +11,16 @@ from typing import Optional
 
 from .errors import MlxSpecError
 
-ALLOW_PATTERNS = ["*.json", "*.safetensors", "tokenizer.model", "*.tiktoken", "tiktoken.model",
-                  "*.txt", "*.jsonl", "*.jinja"]
+ALLOW_PATTERNS = [
+    "*.json",
+    "*.safetensors",
+    "tokenizer.model",
+    "*.tiktoken",
+    "tiktoken.model",
+    "*.txt",
+    "*.jsonl",
+    "*.jinja",
+]
 _REPO_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*")
 
 
@@ -30,8 +38,9 @@ def resolve(name, revision: Optional[str] = None, what: str = "model") -> Path:
             raise MlxSpecError(f"--revision is for Hugging Face repo ids, and {name} is a local path")
         return path
     if not is_repo_id(str(name)):
-        raise MlxSpecError(f"{what} not found: {name} is neither a directory nor a Hugging Face repo "
-                           "id (org/name)")
+        raise MlxSpecError(
+            f"{what} not found: {name} is neither a directory nor a Hugging Face repo id (org/name)"
+        )
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import (
         GatedRepoError,
@@ -44,21 +53,28 @@ def resolve(name, revision: Optional[str] = None, what: str = "model") -> Path:
     try:
         return Path(snapshot_download(str(name), revision=revision, allow_patterns=ALLOW_PATTERNS))
     except GatedRepoError:
-        raise MlxSpecError(f"{what} {name} is gated on the Hugging Face hub: accept its terms on the "
-                           "hub, then log in (`hf auth login`)") from None
+        raise MlxSpecError(
+            f"{what} {name} is gated on the Hugging Face hub: accept its terms on the "
+            "hub, then log in (`hf auth login`)"
+        ) from None
     except RepositoryNotFoundError:
-        raise MlxSpecError(f"{what} {name} is not on the Hugging Face hub (or is private: log in "
-                           "with `hf auth login`)") from None
+        raise MlxSpecError(
+            f"{what} {name} is not on the Hugging Face hub (or is private: log in with `hf auth login`)"
+        ) from None
     except RevisionNotFoundError:
         raise MlxSpecError(f"{what} {name} has no revision {revision}") from None
     except LocalEntryNotFoundError:
         offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
         why = "HF_HUB_OFFLINE is set" if offline else "the hub could not be reached"
-        raise MlxSpecError(f"{what} {name}{at} is not in the Hugging Face cache and {why}: download it "
-                           f"once online (`hf download {name}{' --revision ' + revision if revision else ''}`), "
-                           "or give a local directory") from None
+        raise MlxSpecError(
+            f"{what} {name}{at} is not in the Hugging Face cache and {why}: download it "
+            f"once online (`hf download {name}{' --revision ' + revision if revision else ''}`), "
+            "or give a local directory"
+        ) from None
     except OSError as e:  # network and disk errors
-        raise MlxSpecError(f"cannot fetch {what} {name}{at}: {str(e).splitlines()[0] if str(e) else e}") from None
+        raise MlxSpecError(
+            f"cannot fetch {what} {name}{at}: {str(e).splitlines()[0] if str(e) else e}"
+        ) from None
 
 
 def cached(repo_id: str) -> Optional[Path]:

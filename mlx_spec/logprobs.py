@@ -15,17 +15,18 @@ import numpy as np
 
 from .events import TokenLogprobs
 
-BLOCK = 256   # top_indices' block: ~200 blocks per vocabulary of 50k, each a short scan
+BLOCK = 256  # top_indices' block: ~200 blocks per vocabulary of 50k, each a short scan
 
 
 @dataclass
 class LogprobRows:
     """A pass's rows as logprobs need them: the (processed) logits [n, V] and the token each row
     commits [n]; `committed`, once committed_logprobs has run, the committed rows' figures."""
+
     logits: mx.array
     tokens: mx.array
-    top: int                 # alternatives per token
-    distribution: bool       # the whole distribution too (the Python API's mlx-lm field)
+    top: int  # alternatives per token
+    distribution: bool  # the whole distribution too (the Python API's mlx-lm field)
     committed: Optional[List[TokenLogprobs]] = None
 
 
@@ -47,10 +48,17 @@ def committed_logprobs(asked: Sequence[Tuple[LogprobRows, int]]) -> None:
     best_values = (np.take_along_axis(values, best, axis=-1) - total).tolist()
     best, start = best.tolist(), 0
     for rows, n in asked:
-        distribution = logits[start:start + n] - mx.array(total[start:start + n]) if rows.distribution else None
-        rows.committed = [TokenLogprobs(chosen[i], tuple(zip(best[i][:rows.top], best_values[i][:rows.top])),
-                                        None if distribution is None else distribution[i - start])
-                          for i in range(start, start + n)]
+        distribution = (
+            logits[start : start + n] - mx.array(total[start : start + n]) if rows.distribution else None
+        )
+        rows.committed = [
+            TokenLogprobs(
+                chosen[i],
+                tuple(zip(best[i][: rows.top], best_values[i][: rows.top])),
+                None if distribution is None else distribution[i - start],
+            )
+            for i in range(start, start + n)
+        ]
         start += n
 
 
@@ -76,7 +84,7 @@ def top_indices(values: np.ndarray, k: int) -> np.ndarray:
         if padding:
             values = np.pad(values, ((0, 0), (0, padding)), constant_values=-np.inf)
         blocks = values.reshape(n, -1, BLOCK)
-        kept = np.argpartition(-blocks.max(axis=-1), k - 1, axis=-1)[:, :k]                  # [n, k]
+        kept = np.argpartition(-blocks.max(axis=-1), k - 1, axis=-1)[:, :k]  # [n, k]
         candidates = np.take_along_axis(blocks, kept[:, :, None], axis=1).reshape(n, k * BLOCK)
         index = (kept[:, :, None] * BLOCK + np.arange(BLOCK)).reshape(n, k * BLOCK)
     part = np.argpartition(-candidates, k - 1, axis=-1)[:, :k]

@@ -26,11 +26,11 @@ import numpy as np
 
 from .cost import LinearCost
 
-BINS = 20               # calibration buckets over confidence in [0, 1]
+BINS = 20  # calibration buckets over confidence in [0, 1]
 PROBE_FIRST, PROBE_MAX = 4, 64
-PROBE_BUDGET = 0.004    # probes cost at most this share of the plain steps between them
-HOPELESS_PROBE = 256    # steps between probes when even perfect drafts would not pay,
-PROBE_SHARE = 0.02      # and more where a probe costs more than this share of the steps between
+PROBE_BUDGET = 0.004  # probes cost at most this share of the plain steps between them
+HOPELESS_PROBE = 256  # steps between probes when even perfect drafts would not pay,
+PROBE_SHARE = 0.02  # and more where a probe costs more than this share of the steps between
 # A new prompt is probed at once while drafting saved time on enough recent prompts (a decayed
 # share): that probe costs a few percent of a short answer and wins much more where drafting
 # pays, but a drafter whose drafts never pay (or pay less than they cost) pays it at every prompt.
@@ -50,13 +50,18 @@ class Calibration:
     arithmetic, as sure and mostly wrong on code). A trust factor follows it: the last few
     outcomes against what the buckets predicted for them, which scales every bucket at once."""
 
-    def __init__(self, decay: float = 0.98, prior_weight: float = 2.0, trust_decay: float = 0.9,
-                 trust_prior: float = 1.0):
+    def __init__(
+        self,
+        decay: float = 0.98,
+        prior_weight: float = 2.0,
+        trust_decay: float = 0.9,
+        trust_prior: float = 1.0,
+    ):
         centers = (np.arange(BINS) + 0.5) / BINS
         self.accepted = np.append(centers, 0.5) * prior_weight
         self.tried = np.full(BINS + 1, prior_weight)
         self.decay = decay
-        self.observed = self.predicted = 0.0    # recent outcomes, and the buckets' chances of them
+        self.observed = self.predicted = 0.0  # recent outcomes, and the buckets' chances of them
         self.trust_decay, self.trust_prior = trust_decay, trust_prior
 
     @staticmethod
@@ -93,6 +98,7 @@ class Calibration:
 @dataclass(frozen=True)
 class DraftPlan:
     """Decision 1 for one step: how many positions to draft, and whether only to learn (a probe)."""
+
     length: int
     probing: bool = False
 
@@ -101,10 +107,11 @@ class DraftPlan:
 class StepOutcome:
     """What one step drafted, verified and had accepted: what the policy learns from. Indices
     are the proposal's; parents as in Draft (0 = the root)."""
-    confidence: Sequence[Optional[float]]   # of every proposed draft
-    parents: Sequence[int]                  # of every proposed draft
-    verified: Sequence[int]                 # the drafts the policy kept and the target verified
-    path: Sequence[int]                     # the accepted ones, root to leaf
+
+    confidence: Sequence[Optional[float]]  # of every proposed draft
+    parents: Sequence[int]  # of every proposed draft
+    verified: Sequence[int]  # the drafts the policy kept and the target verified
+    path: Sequence[int]  # the accepted ones, root to leaf
 
 
 class DraftPolicy:
@@ -120,21 +127,21 @@ class DraftPolicy:
         self.verify_cost = LinearCost(prior_ratio=0.1, plain_width=1)
         self.draft_cost = LinearCost(prior_ratio=1.0, unknown_scale=0.0, skip_first=False)
         self.calibration = Calibration()
-        self.alpha = 0.5          # recent P(accepted | parent accepted), for decision 1
-        self.alpha_weight = alpha_weight   # of each new outcome in alpha
+        self.alpha = 0.5  # recent P(accepted | parent accepted), for decision 1
+        self.alpha_weight = alpha_weight  # of each new outcome in alpha
         # The calibrated chance of the last drafted step's first draft: what the drafter thinks
         # of the text right now. Decision 1 drafts on it too, so that one confident probe (an
         # answer the drafter knows) resumes drafting at once instead of after many probes.
         self.first_chance = 0.0
-        self.margin = margin      # drafting must beat plain decoding by this factor
-        self.skipped = 0          # plain steps in a row since the last draft
-        self.streak = 0           # steps in a row that drafted
+        self.margin = margin  # drafting must beat plain decoding by this factor
+        self.skipped = 0  # plain steps in a row since the last draft
+        self.streak = 0  # steps in a row that drafted
         # Plain steps between probes: doubles at each probe, back to the first only when a
         # draft is accepted (drafting that fails must not restart the schedule)
         self.probe_interval = PROBE_FIRST
         self.probe_seconds = 0.0  # what the last probe's drafting cost (a drafter may catch up then)
-        self.texts_pay = 1.0      # recent prompts' share (decayed) on which drafting saved time
-        self.text_saved = None    # seconds drafting saved on this prompt (None: it never drafted)
+        self.texts_pay = 1.0  # recent prompts' share (decayed) on which drafting saved time
+        self.text_saved = None  # seconds drafting saved on this prompt (None: it never drafted)
 
     def new_text(self) -> None:
         """Called at each new prompt (a generation, a chat turn): trust the calibration's long-run
@@ -159,7 +166,7 @@ class DraftPolicy:
             # Only the last drafted step's confidence says drafting pays now, and the next
             # step's drafts may be as unsure as most were: start small and double while it
             # holds (one confident probe on code is often followed by junk).
-            best_k = min(best_k, 2 ** self.streak)
+            best_k = min(best_k, 2**self.streak)
         if best_k:
             self.skipped, self.streak = 0, self.streak + 1
             return DraftPlan(best_k)
@@ -167,7 +174,7 @@ class DraftPolicy:
         # Probe, cheaply: has drafting become worth it? (Rarely where even perfect drafts cannot
         # pay; that check runs only when a probe would otherwise be due.)
         due = self.skipped >= self.probe_interval and not self._hopeless(max_k, plain)
-        probe_steps = self._probe_cost() / self.verify_cost(1)   # a probe's cost in plain steps
+        probe_steps = self._probe_cost() / self.verify_cost(1)  # a probe's cost in plain steps
         if due or self.skipped >= max(HOPELESS_PROBE, probe_steps / PROBE_SHARE):
             longest = max(PROBE_MAX, probe_steps / PROBE_BUDGET)
             self.skipped, self.probe_interval = 0, min(2 * self.probe_interval, int(longest))
@@ -198,7 +205,7 @@ class DraftPolicy:
 
     def record_verification(self, width: int, seconds: float) -> None:
         if width > 1:
-            self._saved(self.verify_cost(1) - seconds)   # what the wider pass cost over a plain step
+            self._saved(self.verify_cost(1) - seconds)  # what the wider pass cost over a plain step
         self.verify_cost.record(width, seconds)
 
     def _probe_cost(self) -> float:
@@ -212,8 +219,9 @@ class DraftPolicy:
         return not self._best_length(max_k, 1.0, plain)
 
     # --- decision 2 ---------------------------------------------------------------------
-    def reach(self, confidence: Sequence[Optional[float]], parents: Sequence[int],
-              optimistic: bool = False) -> List[float]:
+    def reach(
+        self, confidence: Sequence[Optional[float]], parents: Sequence[int], optimistic: bool = False
+    ) -> List[float]:
         """P(the accepted path reaches draft i), drafts in breadth-first order; parents[i] = 0
         for the root, j + 1 for draft j."""
         reach = []
@@ -221,8 +229,13 @@ class DraftPolicy:
             reach.append(self.calibration(conf, optimistic) * (reach[parent - 1] if parent else 1.0))
         return reach
 
-    def select(self, confidence: Sequence[Optional[float]], parents: Sequence[int], drafted: int,
-               probing: bool = False) -> List[int]:
+    def select(
+        self,
+        confidence: Sequence[Optional[float]],
+        parents: Sequence[int],
+        drafted: int,
+        probing: bool = False,
+    ) -> List[int]:
         """Indices of the drafts to verify (ancestors before descendants, in order); it learns
         nothing. A probe's draft is judged as if its confidence bucket had one more success: a
         bucket that has seen few outcomes gets verified (and learns), one that knows its drafts
@@ -230,7 +243,7 @@ class DraftPolicy:
         nothing)."""
         reach = self.reach(confidence, parents, optimistic=probing)
         order = sorted(range(len(reach)), key=lambda i: (-reach[i], i))
-        drafting = self.draft_cost(drafted)   # already spent, whatever is verified
+        drafting = self.draft_cost(drafted)  # already spent, whatever is verified
         best_n, best_rate, expected = 0, 1.0 / (drafting + self.verify_cost(1)), 1.0
         for n, i in enumerate(order, start=1):
             expected += reach[i]
@@ -264,7 +277,7 @@ class DraftPolicy:
                 self._learn(self.first_chance)
         path = outcome.path
         if path:
-            self._saved(len(path) * self.verify_cost(1))   # a plain step per accepted draft
+            self._saved(len(path) * self.verify_cost(1))  # a plain step per accepted draft
         accepted = set(path)
         for i in outcome.verified:
             parent = parents[i] - 1

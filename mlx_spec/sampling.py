@@ -95,8 +95,12 @@ class Sampler:
         """[len(positions), vocab_size] Gumbel noise, one row per absolute position."""
         seed = (self.seed & 0xFFFFFFFF) << 32
         distinct = sorted(set(positions))
-        rows = mx.stack([mx.random.gumbel(shape=(vocab_size,), key=mx.random.key(seed | (p & 0xFFFFFFFF)))
-                         for p in distinct])
+        rows = mx.stack(
+            [
+                mx.random.gumbel(shape=(vocab_size,), key=mx.random.key(seed | (p & 0xFFFFFFFF)))
+                for p in distinct
+            ]
+        )
         if distinct == list(positions):
             return rows
         return rows[mx.array([distinct.index(p) for p in positions])]
@@ -114,7 +118,7 @@ class Sampler:
         if self.greedy:
             return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         params = self.params
-        if params.top_k >= logits.shape[-1]:   # a narrow draft head: top-k keeps it all
+        if params.top_k >= logits.shape[-1]:  # a narrow draft head: top-k keeps it all
             params = replace(params, top_k=0)
         return log_probs(logits, params)
 
@@ -123,8 +127,9 @@ class Sampler:
         noise = self.noise(positions, vocab_size)
         return noise[:, ids] if ids is not None else noise[:, :width]
 
-    def tree_log_probs(self, logits: mx.array, positions: Sequence[int], vocab_size: int,
-                       ids: mx.array = None) -> mx.array:
+    def tree_log_probs(
+        self, logits: mx.array, positions: Sequence[int], vocab_size: int, ids: mx.array = None
+    ) -> mx.array:
         """The normalized log-probabilities [n, w] a draft tree takes its top tokens from, for a
         drafter's logits [n, w] at the given positions (ids as in draw). The default rule: the
         target's token is the argmax of its log-probabilities plus the position's noise, so the
@@ -151,7 +156,7 @@ class Sampler:
             q = mx.exp(log_q)
             if ids is not None:
                 q = mx.zeros((q.shape[0], vocab_size), q.dtype).at[:, ids].add(q)
-            elif q.shape[-1] < vocab_size:   # a draft head narrower than the target's
+            elif q.shape[-1] < vocab_size:  # a draft head narrower than the target's
                 q = mx.pad(q, [(0, 0), (0, vocab_size - q.shape[-1])])
         else:
             noise = self._draft_noise(positions, vocab_size, ids, logits.shape[-1])

@@ -26,9 +26,9 @@ from typing import List, Optional, Sequence, Tuple
 import numpy as np
 
 FORMAT = 1
-MATCH_LENGTHS = (1, 2, 3, 4, 6, 8, 12, 16)   # suffix lengths matched, longest first when searching
-MAX_OCCURRENCES = 64                          # most recent occurrences whose continuations count
-DEFAULT_MAX_TOKENS = 1 << 18                  # 256Ki tokens: 1 MiB on disk, ~25 MB of index
+MATCH_LENGTHS = (1, 2, 3, 4, 6, 8, 12, 16)  # suffix lengths matched, longest first when searching
+MAX_OCCURRENCES = 64  # most recent occurrences whose continuations count
+DEFAULT_MAX_TOKENS = 1 << 18  # 256Ki tokens: 1 MiB on disk, ~25 MB of index
 _BASE = np.uint64(1_000_003)
 
 
@@ -50,7 +50,7 @@ def _hashes(tokens: np.ndarray, n: int) -> np.ndarray:
     t = tokens.astype(np.uint64) + np.uint64(1)
     h = np.zeros(len(tokens) - n + 1, dtype=np.uint64)
     for j in range(n):
-        h = h * _BASE + t[j:len(tokens) - n + 1 + j]
+        h = h * _BASE + t[j : len(tokens) - n + 1 + j]
     return h
 
 
@@ -64,11 +64,11 @@ class SuffixMemory:
         (a benchmark's repeats then all see the memory as it was before the run)."""
         self.path, self.vocabulary, self.max_tokens = Path(path), vocabulary, max_tokens
         self.learn_now = learn_now
-        self.outputs: Optional[List[np.ndarray]] = None   # None: not read yet
-        self.serial = 0             # of the file version this process holds
+        self.outputs: Optional[List[np.ndarray]] = None  # None: not read yet
+        self.serial = 0  # of the file version this process holds
         self.unsaved: List[np.ndarray] = []
-        self.index = None           # n -> (sorted hashes, their end positions); None: to build
-        self.tokens = np.zeros(0, dtype=np.int32)   # the outputs, each followed by -1
+        self.index = None  # n -> (sorted hashes, their end positions); None: to build
+        self.tokens = np.zeros(0, dtype=np.int32)  # the outputs, each followed by -1
 
     # -- the file --------------------------------------------------------------------------
 
@@ -86,10 +86,14 @@ class SuffixMemory:
                 return [], 0
             if lengths.sum() != len(tokens) or (lengths < 0).any():
                 raise ValueError("lengths do not add up")
-            return list(np.split(tokens.astype(np.int32), np.cumsum(lengths)[:-1])) if len(lengths) else [], serial
-        except Exception as e:   # a truncated or foreign file: never trusted, rebuilt
-            print(f"mlx-spec: suffix memory {self.path} is unreadable ({type(e).__name__}): starting a new one",
-                  file=sys.stderr)
+            return list(np.split(tokens.astype(np.int32), np.cumsum(lengths)[:-1])) if len(
+                lengths
+            ) else [], serial
+        except Exception as e:  # a truncated or foreign file: never trusted, rebuilt
+            print(
+                f"mlx-spec: suffix memory {self.path} is unreadable ({type(e).__name__}): starting a new one",
+                file=sys.stderr,
+            )
             return [], 0
 
     def _load(self) -> None:
@@ -116,7 +120,7 @@ class SuffixMemory:
         with open(str(self.path) + ".lock", "a") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             outputs, serial = self._read()
-            if serial != self.serial or not self.learn_now:   # adopt what another process wrote
+            if serial != self.serial or not self.learn_now:  # adopt what another process wrote
                 self.outputs, self.index = outputs + self.unsaved, None
             if self._bound():
                 self.index = None
@@ -125,9 +129,14 @@ class SuffixMemory:
             fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=self.path.name, suffix=".tmp")
             try:
                 with os.fdopen(fd, "wb") as f:
-                    np.savez(f, format=np.int64(FORMAT), vocabulary=np.array(self.vocabulary),
-                             tokens=tokens.astype(np.int32), serial=np.int64(self.serial),
-                             lengths=np.array([len(o) for o in self.outputs], dtype=np.int64))
+                    np.savez(
+                        f,
+                        format=np.int64(FORMAT),
+                        vocabulary=np.array(self.vocabulary),
+                        tokens=tokens.astype(np.int32),
+                        serial=np.int64(self.serial),
+                        lengths=np.array([len(o) for o in self.outputs], dtype=np.int64),
+                    )
                 os.replace(tmp, self.path)
             except BaseException:
                 os.unlink(tmp)
@@ -153,7 +162,7 @@ class SuffixMemory:
             self.tokens = np.concatenate([self.tokens, output, [-1]]).astype(np.int32)
             for n, (hashes, ends) in self.index.items():
                 new_hashes, new_ends = self._ngrams(output, n, start)
-                at = np.searchsorted(hashes, new_hashes, side="right")   # after equal (older) ones
+                at = np.searchsorted(hashes, new_hashes, side="right")  # after equal (older) ones
                 self.index[n] = (np.insert(hashes, at, new_hashes), np.insert(ends, at, new_ends))
 
     @staticmethod
@@ -177,7 +186,7 @@ class SuffixMemory:
             parts = [self._ngrams(o, n, s) for o, s in zip(self.outputs, starts)]
             hashes = np.concatenate([p[0] for p in parts]) if parts else np.zeros(0, np.uint64)
             ends = np.concatenate([p[1] for p in parts]) if parts else np.zeros(0, np.int64)
-            order = np.lexsort((ends, hashes))   # by hash, then oldest first
+            order = np.lexsort((ends, hashes))  # by hash, then oldest first
             self.index[n] = (hashes[order], ends[order])
 
     def continuations(self, context: Sequence[int], depth: int) -> Tuple[int, List[List[int]]]:
@@ -192,10 +201,13 @@ class SuffixMemory:
                 continue
             query = list(context[-n:])
             hashes, ends = self.index[n]
-            lo, hi = np.searchsorted(hashes, _hash(query), "left"), np.searchsorted(hashes, _hash(query), "right")
+            lo, hi = (
+                np.searchsorted(hashes, _hash(query), "left"),
+                np.searchsorted(hashes, _hash(query), "right"),
+            )
             found = []
-            for end in ends[lo:hi][::-1]:   # most recent first
-                if self.tokens[end - n + 1:end + 1].tolist() == query:   # not a hash collision
+            for end in ends[lo:hi][::-1]:  # most recent first
+                if self.tokens[end - n + 1 : end + 1].tolist() == query:  # not a hash collision
                     found.append(self._continuation(int(end) + 1, depth))
                     if len(found) == MAX_OCCURRENCES:
                         break
@@ -204,8 +216,8 @@ class SuffixMemory:
         return 0, []
 
     def _continuation(self, start: int, depth: int) -> List[int]:
-        piece = self.tokens[start:start + depth].tolist()
-        return piece[:piece.index(-1)] if -1 in piece else piece
+        piece = self.tokens[start : start + depth].tolist()
+        return piece[: piece.index(-1)] if -1 in piece else piece
 
     def __len__(self) -> int:
         self._load()

@@ -19,8 +19,11 @@ import numpy as np
 from .cache import BoundedKVCache, is_recurrent
 
 
-def breadth_first(nodes: Iterable[Hashable], parent_of: Callable[[Hashable], Optional[Hashable]],
-                  key: Optional[Callable] = None) -> Tuple[list, List[int]]:
+def breadth_first(
+    nodes: Iterable[Hashable],
+    parent_of: Callable[[Hashable], Optional[Hashable]],
+    key: Optional[Callable] = None,
+) -> Tuple[list, List[int]]:
     """Chosen nodes of a drafter's own tree as a draft: the nodes in breadth-first order
     (sorted by `key`, which must put a parent before its children; None: as given) and their
     parents as Draft and Tree number them (0 = the root, j + 1 = the j-th node of the order).
@@ -104,28 +107,41 @@ class DepthRope(nn.Module):
     def __call__(self, x, offset=0):
         # Each node becomes a length-1 sequence, so the whole group sits at one position.
         return mx.concatenate(
-            [self.original(x[..., start:end, None, :], offset=offset + depth)[..., 0, :]
-             for depth, start, end in self.groups], axis=-2)
+            [
+                self.original(x[..., start:end, None, :], offset=offset + depth)[..., 0, :]
+                for depth, start, end in self.groups
+            ],
+            axis=-2,
+        )
 
 
 def tree_forward(target, tokens: mx.array, tree: Tree, cache, taps=(), replay=None):
     """One target pass over the tree nodes (tokens [n]): (logits [1, n, V], taps). Attention
     layers see the tree through the mask; recurrent layers run one depth at a time
     (`recurrent_by_depth`); `replay` (cache.Replay) records them for `compact`."""
-    context_length = next((c.offset for c in cache if not is_recurrent(c)), 0)   # 0: no attention
-    bounded = next((c for c in cache if isinstance(c, BoundedKVCache)), None)    # --max-kv-size
-    mask = (bounded.tree_mask(tree.depths, tree.ancestors_mask()) if bounded is not None
-            else tree.attention_mask(context_length))
+    context_length = next((c.offset for c in cache if not is_recurrent(c)), 0)  # 0: no attention
+    bounded = next((c for c in cache if isinstance(c, BoundedKVCache)), None)  # --max-kv-size
+    mask = (
+        bounded.tree_mask(tree.depths, tree.ancestors_mask())
+        if bounded is not None
+        else tree.attention_mask(context_length)
+    )
     groups = tree.depth_groups()
     # Each attention's rope (any rope variant) runs once per depth group; recurrent layers have none.
-    attentions = [m for layer, c in zip(target.layers, cache) if not is_recurrent(c)
-                  for _, m in layer.named_modules() if isinstance(getattr(m, "rope", None), nn.Module)]
+    attentions = [
+        m
+        for layer, c in zip(target.layers, cache)
+        if not is_recurrent(c)
+        for _, m in layer.named_modules()
+        if isinstance(getattr(m, "rope", None), nn.Module)
+    ]
     originals = [attention.rope for attention in attentions]
     try:
         for attention, rope in zip(attentions, originals):
             attention.rope = DepthRope(rope, groups)
-        return target.forward(tokens[None], cache, taps, mask=mask,
-                              replay=replay, recurrent=partial(recurrent_by_depth, tree))
+        return target.forward(
+            tokens[None], cache, taps, mask=mask, replay=replay, recurrent=partial(recurrent_by_depth, tree)
+        )
     finally:
         for attention, rope in zip(attentions, originals):
             attention.rope = rope
@@ -139,7 +155,7 @@ def recurrent_by_depth(tree: Tree, call, x: mx.array, cache) -> mx.array:
     accepted path's is set by `compact`)."""
     outputs, states, previous = [], list(cache.cache), 0
     for depth, start, end in tree.depth_groups():
-        if depth:   # each node's parent, among the nodes of the depth before
+        if depth:  # each node's parent, among the nodes of the depth before
             index = mx.array([tree.parents[i] - previous for i in range(start, end)])
             states = [None if s is None else s[index] for s in states]
         nodes = copy.copy(cache)
@@ -161,20 +177,21 @@ def compact(cache, start: int, path: Sequence[int], nodes: int, replay=None) -> 
         # the `first` rows it kept (in temporal order), and ends with the path.
         first = c.keys.shape[2] - nodes if isinstance(c, BoundedKVCache) else start
         rows = mx.array([first + node for node in path])
-        c.keys[..., first:first + len(path), :] = c.keys[..., rows, :]
-        c.values[..., first:first + len(path), :] = c.values[..., rows, :]
+        c.keys[..., first : first + len(path), :] = c.keys[..., rows, :]
+        c.values[..., first : first + len(path), :] = c.values[..., rows, :]
         if isinstance(c, BoundedKVCache):
-            c.keys, c.values = c.keys[..., :first + len(path), :], c.values[..., :first + len(path), :]
+            c.keys, c.values = c.keys[..., : first + len(path), :], c.values[..., : first + len(path), :]
             c._idx = first + len(path)
         c.offset = end
     if replay is not None:
         replay.follow(path)
         if not replay.roll_back(end):
-            raise RuntimeError("a tree's replay could not follow its path")   # a bug, never input
+            raise RuntimeError("a tree's replay could not follow its path")  # a bug, never input
 
 
-def verify_tree(logits: mx.array, tokens: Sequence[int], tree: Tree, sampler, q: Optional[mx.array],
-                first_position: int) -> (List[int], int):
+def verify_tree(
+    logits: mx.array, tokens: Sequence[int], tree: Tree, sampler, q: Optional[mx.array], first_position: int
+) -> (List[int], int):
     """Walk the tree from the root: (accepted path of node indices, the target's next token).
 
     Greedy and the default sampling rule: the target's token at each node is `Sampler.choose`

@@ -18,8 +18,9 @@ import mlx.core as mx
 from .sampling import Sampler, probs
 
 
-def verify_chain(logits: mx.array, drafts: mx.array, q: Optional[mx.array], sampler: Sampler,
-                 first_position: int) -> mx.array:
+def verify_chain(
+    logits: mx.array, drafts: mx.array, q: Optional[mx.array], sampler: Sampler, first_position: int
+) -> mx.array:
     """logits [k+1, V] of the target at [last token, x_1..x_k], which predict the tokens at
     first_position..; drafts [k] (int); q [k, V] draft probabilities (the residual rule only;
     None for deterministic drafts). Returns int32 [2]: (accepted drafts n, the target's token
@@ -31,14 +32,14 @@ def verify_chain(logits: mx.array, drafts: mx.array, q: Optional[mx.array], samp
         return mx.stack([n, target[n]]).astype(mx.int32)
 
     accept_key, sample_key = mx.random.split(sampler.next_key("verify"))
-    p = probs(logits, sampler.params)                               # [k+1, V]
+    p = probs(logits, sampler.params)  # [k+1, V]
     rows = mx.arange(k)
-    p_x = p[rows, drafts]                                           # [k]
+    p_x = p[rows, drafts]  # [k]
     if q is None:
         q = (mx.arange(p.shape[-1])[None] == drafts[:, None]).astype(p.dtype)
     q_x = q[rows, drafts]
     u = mx.random.uniform(shape=(k,), key=accept_key)
-    accepted = (u * q_x < p_x).astype(mx.int32)                     # u < p/q without dividing
+    accepted = (u * q_x < p_x).astype(mx.int32)  # u < p/q without dividing
     n = mx.cumprod(accepted).sum() if k else mx.array(0)
     # Row i < k: residual after rejecting x_i; row k: the bonus distribution p_k.
     residual = mx.concatenate([mx.maximum(p[:k] - q, 0.0), p[k:]], axis=0)[n]

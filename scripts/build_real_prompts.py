@@ -40,7 +40,7 @@ from mlx_spec.train.data import is_heldout, load_prompts_file  # noqa: E402
 OUT = ROOT / "benchmarks" / "training" / "real" / "prompts.jsonl.gz"
 DEV = ROOT / "benchmarks" / "real_dev_prompts.jsonl"
 MAX_TOKENS = 400
-SGD_CONVERSATIONS = 1500          # task-oriented dialogues are many and alike: a sample
+SGD_CONVERSATIONS = 1500  # task-oriented dialogues are many and alike: a sample
 # The dev set: this many held-out prompts of each kind (chat: a third of them conversations).
 DEV_PER_KIND = {"chat": 24, "instruction": 24, "arithmetic": 16, "code": 16, "summary": 14, "rewrite": 14}
 
@@ -83,7 +83,7 @@ class Mirror:
             if line.strip():
                 try:
                     rows.append(json.loads(line))
-                except json.JSONDecodeError:   # InstructionWild's user_3 has two lines with bad escapes
+                except json.JSONDecodeError:  # InstructionWild's user_3 has two lines with bad escapes
                     continue
         return rows
 
@@ -94,20 +94,29 @@ class Mirror:
         return [line.split("\t")[1] for line in names if line.split()[3].isdigit()]
 
 
-CODE = re.compile(r"\b(python|java|javascript|typescript|c\+\+|c#|golang|rust|ruby|php|sql|html|css|bash|"
-                  r"code|function|program|programming|algorithm|regex|regular expression|json|api|"
-                  r"pseudocode|array|linked list|database query)\b", re.I)
+CODE = re.compile(
+    r"\b(python|java|javascript|typescript|c\+\+|c#|golang|rust|ruby|php|sql|html|css|bash|"
+    r"code|function|program|programming|algorithm|regex|regular expression|json|api|"
+    r"pseudocode|array|linked list|database query)\b",
+    re.I,
+)
 SUMMARY = re.compile(r"\b(summari[sz]e|summary|summarization|tl;?dr|sum up|main points|key points)\b", re.I)
-REWRITE = re.compile(r"^\s*(please\s+)?(rewrite|re-write|rephrase|paraphrase|reword|edit|revise|restate|"
-                     r"proofread|simplify|shorten|condense)\b|"
-                     r"\b(rewrite|rephrase|paraphrase|passive voice|active voice|grammatical errors)\b|"
-                     r"\bmake (this|the|it|these|that)\b.*\b(more|less|shorter|longer|simpler|clearer|formal)\b|"
-                     r"\b(convert|change|transform|turn) (this|the|it|these|following|given)\b.*"
-                     r"\b(sentence|text|paragraph|passage|statement|tense|voice)\b|"
-                     r"\bcorrect (the|this|any)\b.*\b(grammar|spelling|errors?|sentence)\b", re.I)
-ARITHMETIC = re.compile(r"\b(calculate|compute|how many|how much|solve|equation|percent|percentage|average|"
-                        r"sum of|product of|divided|multiply|multiplied|area|perimeter|volume|interest)\b|"
-                        r"\d\s*[-+*/x×^]\s*\d", re.I)
+REWRITE = re.compile(
+    r"^\s*(please\s+)?(rewrite|re-write|rephrase|paraphrase|reword|edit|revise|restate|"
+    r"proofread|simplify|shorten|condense)\b|"
+    r"\b(rewrite|rephrase|paraphrase|passive voice|active voice|grammatical errors)\b|"
+    r"\bmake (this|the|it|these|that)\b.*\b(more|less|shorter|longer|simpler|clearer|formal)\b|"
+    r"\b(convert|change|transform|turn) (this|the|it|these|following|given)\b.*"
+    r"\b(sentence|text|paragraph|passage|statement|tense|voice)\b|"
+    r"\bcorrect (the|this|any)\b.*\b(grammar|spelling|errors?|sentence)\b",
+    re.I,
+)
+ARITHMETIC = re.compile(
+    r"\b(calculate|compute|how many|how much|solve|equation|percent|percentage|average|"
+    r"sum of|product of|divided|multiply|multiplied|area|perimeter|volume|interest)\b|"
+    r"\d\s*[-+*/x×^]\s*\d",
+    re.I,
+)
 
 
 def kind_of(instruction, text, default="instruction"):
@@ -194,21 +203,28 @@ def t0_prompts(mirror, prefix, kind, source, skip=()):
 def collect(mirror):
     """Every source's rows, in the order that decides which copy of a duplicate stays."""
     rows = []
-    gsm8k = mirror.jsonl(GSM8K, "grade_school_math/data/train.jsonl")   # the TRAIN split only
+    gsm8k = mirror.jsonl(GSM8K, "grade_school_math/data/train.jsonl")  # the TRAIN split only
     rows += alpaca_like([{"instruction": r["question"]} for r in gsm8k], "gsm8k-train", kind="arithmetic")
     rows += alpaca_like(mirror.json(ALPACA_5000, "data/alpaca_5000.json"), "alpaca")
     rows += seed_tasks(mirror.jsonl(ALPACA, "seed_tasks.jsonl"), "alpaca-seed")
-    rows += alpaca_like(mirror.json(GPTEACHER, "Codegen/codegen-instruct.json"), "gpteacher-code", kind="code")
+    rows += alpaca_like(
+        mirror.json(GPTEACHER, "Codegen/codegen-instruct.json"), "gpteacher-code", kind="code"
+    )
     rows += alpaca_like(mirror.json(CODEALPACA, "data/code_alpaca_2k.json"), "codealpaca", kind="code")
     rows += seed_tasks(mirror.jsonl(CODEALPACA, "seed_tasks.jsonl"), "codealpaca-seed", kind="code")
-    rows += alpaca_like(mirror.json(GPTEACHER, "Roleplay/roleplay-simple-deduped-roleplay-instruct.json"),
-                        "gpteacher-roleplay", kind="chat")
+    rows += alpaca_like(
+        mirror.json(GPTEACHER, "Roleplay/roleplay-simple-deduped-roleplay-instruct.json"),
+        "gpteacher-roleplay",
+        kind="chat",
+    )
     for name in ("user_1", "user_2", "user_3"):
         rows += alpaca_like(mirror.jsonl(WILD, f"data_v2/{name}.jsonl"), "instructionwild", default="chat")
     rows += sgd_conversations(mirror)
     rows += t0_prompts(mirror, "samsum_", "summary", "samsum", skip=("Write_a_dialogue",))
     rows += t0_prompts(mirror, "xsum_", "summary", "xsum")
-    rows += t0_prompts(mirror, "cnn_dailymail_", "summary", "cnn-dailymail", skip=("generate_story", "spice_up"))
+    rows += t0_prompts(
+        mirror, "cnn_dailymail_", "summary", "cnn-dailymail", skip=("generate_story", "spice_up")
+    )
     rows += t0_prompts(mirror, "glue_mrpc_generate_paraphrase", "rewrite", "mrpc")
     return rows
 
@@ -265,29 +281,41 @@ def dev_set(rows):
     conversations, and no source more than half of a kind)."""
     chosen = []
     for kind, count in DEV_PER_KIND.items():
-        pool = sorted((r for r in rows if r["kind"] == kind and is_heldout(r["id"])),
-                      key=lambda r: hashlib.sha256(f"dev-{r['id']}".encode()).hexdigest())
+        pool = sorted(
+            (r for r in rows if r["kind"] == kind and is_heldout(r["id"])),
+            key=lambda r: hashlib.sha256(f"dev-{r['id']}".encode()).hexdigest(),
+        )
         picked, per_source = [], Counter()
         if kind == "chat":
-            picked = [r for r in pool if "turns" in r][:count // 3]
+            picked = [r for r in pool if "turns" in r][: count // 3]
             per_source.update(r["source"] for r in picked)
         for r in pool:
-            if len(picked) < count and r not in picked and ("turns" not in r or kind != "chat") \
-                    and per_source[r["source"]] < max(count // 2, 1):
+            if (
+                len(picked) < count
+                and r not in picked
+                and ("turns" not in r or kind != "chat")
+                and per_source[r["source"]] < max(count // 2, 1)
+            ):
                 picked.append(r)
                 per_source[r["source"]] += 1
-        for r in pool:   # a kind with too few sources: fill up
+        for r in pool:  # a kind with too few sources: fill up
             if len(picked) < count and r not in picked:
                 picked.append(r)
         chosen += picked
-    return [{"question_id": r["id"], "category": r["kind"], **({"turns": r["turns"]} if "turns" in r else
-                                                               {"prompt": r["prompt"]})} for r in chosen]
+    return [
+        {
+            "question_id": r["id"],
+            "category": r["kind"],
+            **({"turns": r["turns"]} if "turns" in r else {"prompt": r["prompt"]}),
+        }
+        for r in chosen
+    ]
 
 
 def write_gzip(path, rows):
     path.parent.mkdir(parents=True, exist_ok=True)
     buffer = io.BytesIO()
-    with gzip.GzipFile(fileobj=buffer, mode="wb", mtime=0, filename="") as f:   # reproducible bytes
+    with gzip.GzipFile(fileobj=buffer, mode="wb", mtime=0, filename="") as f:  # reproducible bytes
         for row in rows:
             f.write((json.dumps(row) + "\n").encode("utf-8"))
     path.write_bytes(buffer.getvalue())
@@ -309,8 +337,10 @@ def main():
     print(f"{len(rows)} rows, {len(prompts)} prompts -> {OUT.relative_to(ROOT)}")
     for source, n in sorted(Counter(r["source"] for r in rows).items()):
         kinds = Counter(r["kind"] for r in rows if r["source"] == source)
-        print(f"  {source}: {n} rows ({', '.join(f'{k} {v}' for k, v in kinds.most_common())}); dropped: "
-              + (", ".join(f"{why} {c}" for (s, why), c in sorted(dropped.items()) if s == source) or "none"))
+        print(
+            f"  {source}: {n} rows ({', '.join(f'{k} {v}' for k, v in kinds.most_common())}); dropped: "
+            + (", ".join(f"{why} {c}" for (s, why), c in sorted(dropped.items()) if s == source) or "none")
+        )
     print("kinds:", dict(Counter(r["kind"] for r in rows).most_common()))
     print(f"{len(dev)} dev prompts -> {DEV.relative_to(ROOT)}:", dict(Counter(q["category"] for q in dev)))
 

@@ -17,7 +17,7 @@ from tiny import save_model, tiny_config, tiny_model
 TEMPLATE = (
     "{%- if tools %}<|im_start|>system\n{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}\n"
     "{% endif %}# Tools\n<tools>{% for tool in tools %}\n{{ tool | tojson }}{% endfor %}\n</tools>\n"
-    "Call a tool with <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call><|im_end|>\n"
+    'Call a tool with <tool_call>{"name": ..., "arguments": ...}</tool_call><|im_end|>\n'
     "{%- elif messages[0]['role'] == 'system' %}<|im_start|>system\n{{ messages[0]['content'] }}<|im_end|>\n"
     "{%- endif %}"
     "{%- for message in messages %}"
@@ -25,16 +25,17 @@ TEMPLATE = (
     "{%- elif message['role'] == 'assistant' %}\n<|im_start|>assistant\n{{ message['content'] }}"
     "{%- for tool_call in message.get('tool_calls', []) %}"
     "{%- if tool_call.function is defined %}{%- set tool_call = tool_call.function %}{%- endif %}<tool_call>\n"
-    "{\"name\": \"{{ tool_call.name }}\", \"arguments\": {{ tool_call.arguments | tojson }}}"
+    '{"name": "{{ tool_call.name }}", "arguments": {{ tool_call.arguments | tojson }}}'
     "\n</tool_call>{%- endfor %}<|im_end|>"
     "{%- elif message['role'] == 'tool' %}\n<|im_start|>user\n<tool_response>\n{{ message['content'] }}"
     "\n</tool_response><|im_end|>"
     "{%- endif %}{%- endfor %}"
     "{%- if add_generation_prompt %}\n<|im_start|>assistant\n"
     "{%- if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{%- endif %}"
-    "{%- endif %}")
+    "{%- endif %}"
+)
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-THINKING = ["<think>", "</think>"]   # tokens of their own: mlx-lm's wrapper then detects thinking
+THINKING = ["<think>", "</think>"]  # tokens of their own: mlx-lm's wrapper then detects thinking
 
 
 def _tokenizer(path: Path, texts) -> None:
@@ -45,21 +46,38 @@ def _tokenizer(path: Path, texts) -> None:
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.train_from_iterator(texts, trainers.BpeTrainer(
-        vocab_size=400, special_tokens=SPECIAL, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tokenizer.train_from_iterator(
+        texts,
+        trainers.BpeTrainer(
+            vocab_size=400, special_tokens=SPECIAL, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        ),
+    )
     tokenizer.add_tokens(THINKING)
     tokenizer.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "chat_template": TEMPLATE, "eos_token": "<|im_end|>",
-        "bos_token": None, "pad_token": "<|endoftext|>", "unk_token": None}))
+    (path / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "chat_template": TEMPLATE,
+                "eos_token": "<|im_end|>",
+                "bos_token": None,
+                "pad_token": "<|endoftext|>",
+                "unk_token": None,
+            }
+        )
+    )
 
 
 def prompt_of(tokenizer, conversation) -> list:
     """A conversation's prompt: its messages through the chat template (with its tools and
     template arguments), then its `suffix` text (a reply due to begin with a tool call)."""
-    text = tokenizer.apply_chat_template(conversation["messages"], tools=conversation.get("tools"),
-                                         add_generation_prompt=True, tokenize=False,
-                                         **conversation.get("template", {}))
+    text = tokenizer.apply_chat_template(
+        conversation["messages"],
+        tools=conversation.get("tools"),
+        add_generation_prompt=True,
+        tokenize=False,
+        **conversation.get("template", {}),
+    )
     return tokenizer.encode(text + conversation.get("suffix", ""), add_special_tokens=False)
 
 
@@ -75,7 +93,7 @@ def agent_model_dir(path, conversations, steps=600, seed=0) -> Path:
     _tokenizer(path, texts)
     vocab_size = len(json.loads((path / "tokenizer.json").read_text())["model"]["vocab"]) + len(THINKING)
     model_config = tiny_config(vocab_size=vocab_size, hidden_size=128, context=2048)
-    save_model(tiny_model(model_config, seed=seed, scale=1.0), model_config, path)   # for the tokenizer
+    save_model(tiny_model(model_config, seed=seed, scale=1.0), model_config, path)  # for the tokenizer
     tokenizer = load_tokenizer(path)
     end = tokenizer.encode("<|im_end|>", add_special_tokens=False)
     samples = []

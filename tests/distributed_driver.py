@@ -26,12 +26,24 @@ TOKENS = 24
 SEED = 7
 # Small enough to build on every rank; heads, KV heads and MLP width split in two.
 EXTRA = {
-    "qwen3": dict(num_layers=3, head_dim=32),   # 32: a KV quantization group
-    "qwen3_next": dict(head_dim=16, linear_num_value_heads=2, linear_num_key_heads=2, linear_key_head_dim=16,
-                       linear_value_head_dim=16, linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2,
-                       decoder_sparse_step=1, shared_expert_intermediate_size=64, mlp_only_layers=[],
-                       moe_intermediate_size=32, partial_rotary_factor=0.25, full_attention_interval=2,
-                       num_hidden_layers=4),
+    "qwen3": dict(num_layers=3, head_dim=32),  # 32: a KV quantization group
+    "qwen3_next": dict(
+        head_dim=16,
+        linear_num_value_heads=2,
+        linear_num_key_heads=2,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        linear_conv_kernel_dim=4,
+        num_experts=4,
+        num_experts_per_tok=2,
+        decoder_sparse_step=1,
+        shared_expert_intermediate_size=64,
+        mlp_only_layers=[],
+        moe_intermediate_size=32,
+        partial_rotary_factor=0.25,
+        full_attention_interval=2,
+        num_hidden_layers=4,
+    ),
 }
 
 
@@ -75,8 +87,11 @@ def drafters(target, workdir, mtp_path):
 
     draft_model, draft_config = model_of("qwen3", seed=3, num_layers=1)
     draft = Target(draft_model, None, draft_config)
-    cases = {"none": lambda: None, "lookup": LookupDrafter,
-             "draft_model": lambda: DraftModelDrafter(draft, target.vocab_size)}
+    cases = {
+        "none": lambda: None,
+        "lookup": LookupDrafter,
+        "draft_model": lambda: DraftModelDrafter(draft, target.vocab_size),
+    }
     sys.path.insert(0, str(Path(__file__).parent))
     from mlx_spec.drafters.dflash import DFlashDrafter
     from mlx_spec.drafters.eagle import EagleDrafter
@@ -85,7 +100,9 @@ def drafters(target, workdir, mtp_path):
     eagle, dflash = random_feature_models(target, Path(workdir))
     cases["eagle"] = lambda: EagleDrafter(eagle, target.vocab_size)
     cases["dflash"] = lambda: DFlashDrafter(target, dflash)
-    medusa = load_medusa(write(Path(workdir) / "medusa", random_heads(target.hidden_size, target.vocab_size)), target)
+    medusa = load_medusa(
+        write(Path(workdir) / "medusa", random_heads(target.hidden_size, target.vocab_size)), target
+    )
     cases["medusa"] = lambda: MedusaDrafter(target, medusa)
     if mtp_path is not None:
         from mlx_spec.models.mtp import load_mtp
@@ -103,7 +120,9 @@ def recording(drafter):
 
     def record(k):
         draft = propose(k)
-        drafter.proposed.append(draft.tokens.tolist() if hasattr(draft.tokens, "tolist") else list(draft.tokens))
+        drafter.proposed.append(
+            draft.tokens.tolist() if hasattr(draft.tokens, "tolist") else list(draft.tokens)
+        )
         return draft
 
     drafter.propose = record
@@ -123,7 +142,7 @@ def main(arch, sharding, out, workdir):
     if group.rank() != 0:
         channel = Channel.connect(group, target)
         Follower(target, channel).follow()
-        if quantized is not None:   # the same ranks, a quantized cache (--kv-bits, --draft none)
+        if quantized is not None:  # the same ranks, a quantized cache (--kv-bits, --draft none)
             Follower(target, channel, kv_quantization=kv_quantization).follow()
         return
     channel = Channel.connect(group, target, Watchdog(60))
@@ -140,8 +159,14 @@ def main(arch, sharding, out, workdir):
         follow_up = PROMPT + first + [3, 4]
         second, _ = run(engine, follow_up, TOKENS)
         sampled = run(engine, PROMPT, TOKENS, sampling=SamplingParams(temp=1.0), seed=SEED)[0]
-        results["cases"][name] = dict(first=first, second=second, follow_up=follow_up, sampled=sampled,
-                                      proposed=stats.verified_drafts, drafts=drafts)
+        results["cases"][name] = dict(
+            first=first,
+            second=second,
+            follow_up=follow_up,
+            sampled=sampled,
+            proposed=stats.verified_drafts,
+            drafts=drafts,
+        )
     channel.send(STOP)
     if quantized is not None:
         engine = SplitEngine(target, None, channel, kv_quantization=kv_quantization)

@@ -19,7 +19,7 @@ VOCAB = 16
 # Draws per test: with the prefix tests below, enough to catch a q that is 10% off.
 N_SAMPLES = 10_000
 N_TOKENS = 3
-STRICT = 1e-3     # fail below this p-value (draws are seeded: the verdict is reproducible)
+STRICT = 1e-3  # fail below this p-value (draws are seeded: the verdict is reproducible)
 
 
 def exact_distribution(target, prompt, n_tokens, params, processors=()):
@@ -33,15 +33,18 @@ def exact_distribution(target, prompt, n_tokens, params, processors=()):
         if processors:
             rows = []
             for i in range(len(prefixes)):
-                row = logits[i:i + 1]
+                row = logits[i : i + 1]
                 for processor in processors:
                     row = processor(batch[i], row)
                 rows.append(row)
             logits = mx.concatenate(rows, axis=0)
         p_next = np.array(probs(logits, params))
-        dist = {prefix + (t,): dist[prefix] * float(p_next[i, t])
-                for i, prefix in enumerate(prefixes) for t in range(p_next.shape[1])
-                if p_next[i, t] > 0}
+        dist = {
+            prefix + (t,): dist[prefix] * float(p_next[i, t])
+            for i, prefix in enumerate(prefixes)
+            for t in range(p_next.shape[1])
+            if p_next[i, t] > 0
+        }
     return dist
 
 
@@ -54,8 +57,9 @@ def draw(engine: Engine, prompt, n_tokens, n_samples, options=GenerationOptions(
     return counts
 
 
-def sampling_pvalue(engine: Engine, prompt, params, n_tokens=N_TOKENS, n_samples=N_SAMPLES,
-                    options=GenerationOptions()):
+def sampling_pvalue(
+    engine: Engine, prompt, params, n_tokens=N_TOKENS, n_samples=N_SAMPLES, options=GenerationOptions()
+):
     """p-value of n_samples outputs of the engine (its target, at params, with the options'
     logits processors) under the exact distribution of its target's first n_tokens."""
     counts = draw(engine, prompt, n_tokens, n_samples, options)
@@ -70,8 +74,10 @@ def chi_square_pvalue(counts: Counter, exact: dict, n_samples: int, min_expected
     alone spreads the same samples over hundreds of cells and needs about twice as many to
     catch a q that is 10% off (tests/test_exactness.py::test_harness_catches_a_broken_rule)."""
     n_tokens = max(len(seq) for seq in exact)
-    pvalues = [_chi_square(_prefixes(counts, m), _prefixes(exact, m), n_samples, min_expected)
-               for m in range(1, n_tokens + 1)]
+    pvalues = [
+        _chi_square(_prefixes(counts, m), _prefixes(exact, m), n_samples, min_expected)
+        for m in range(1, n_tokens + 1)
+    ]
     return min(1.0, n_tokens * min(pvalues))
 
 
@@ -94,7 +100,7 @@ def _chi_square(counts, exact, n_samples, min_expected):
             pooled_obs += counts.get(seq, 0)
             pooled_exp += p * n_samples
     pooled_obs += sum(c for seq, c in counts.items() if seq not in exact)
-    if pooled_exp > 0 or pooled_obs:   # no pooled cell where every cell is full and nothing else came
+    if pooled_exp > 0 or pooled_obs:  # no pooled cell where every cell is full and nothing else came
         observed.append(pooled_obs)
         expected.append(max(pooled_exp, 1e-12))
     expected = np.array(expected) * n_samples / sum(expected)  # rounding of the exact sums

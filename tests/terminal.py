@@ -25,8 +25,14 @@ class Terminal:
             # shell's `cmd &` without job control), which the child would inherit.
             signal.signal(signal.SIGINT, signal.SIG_DFL)
 
-        self.proc = subprocess.Popen(args, stdin=slave, stdout=slave, stderr=slave, preexec_fn=own_terminal,
-                                     env=dict(os.environ, TERM="xterm", PYTHONUNBUFFERED="1"))
+        self.proc = subprocess.Popen(
+            args,
+            stdin=slave,
+            stdout=slave,
+            stderr=slave,
+            preexec_fn=own_terminal,
+            env=dict(os.environ, TERM="xterm", PYTHONUNBUFFERED="1"),
+        )
         os.close(slave)
         self.master, self.seen, self.pos = master, b"", 0
 
@@ -45,19 +51,20 @@ class Terminal:
         """The next match of `pattern` in what the terminal shows, after the previous one."""
         deadline = time.time() + timeout
         while True:
-            match = re.search(pattern.encode(), self.seen[self.pos:])
+            match = re.search(pattern.encode(), self.seen[self.pos :])
             if match:
                 self.pos += match.end()
                 return match
             if time.time() > deadline or not self._read(min(1.0, max(0.0, deadline - time.time()))):
-                raise AssertionError(f"no {pattern!r} (exit {self.proc.poll()}); the terminal shows "
-                                     f"{self.seen[-1500:]!r}")
+                raise AssertionError(
+                    f"no {pattern!r} (exit {self.proc.poll()}); the terminal shows {self.seen[-1500:]!r}"
+                )
 
     def type(self, text: str) -> None:
         """Keystrokes or a paste, in pieces no larger than a terminal emulator writes at once."""
         data = text.encode()
         for i in range(0, len(data), 512):
-            os.write(self.master, data[i:i + 512])
+            os.write(self.master, data[i : i + 512])
             # Read the echo as it comes: a full output buffer would block the program, and then
             # its input, and then this writer.
             while select.select([self.master], [], [], 0.002)[0] and self._read(0):

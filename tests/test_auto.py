@@ -34,14 +34,25 @@ def hub(tmp_path_factory):
     config = dflash_config(64, target_layer_ids=(1, 2), num_target_layers=4)
     dflash = write_dflash(root / "dflash", config, random_weights(config, 2, seed=3))
     llama = tiny_chat_model_dir(root / "llama", hidden_size=32, num_layers=4)
-    eagle = save_eagle(random_eagle(load_target(llama, "float32")), root / "eagle", "speculators",
-                       {"speculators_config": {"algorithm": "eagle3", "verifier": {
-                           "name_or_path": "meta-llama/Llama-3.2-1B-Instruct"}}})
+    eagle = save_eagle(
+        random_eagle(load_target(llama, "float32")),
+        root / "eagle",
+        "speculators",
+        {
+            "speculators_config": {
+                "algorithm": "eagle3",
+                "verifier": {"name_or_path": "meta-llama/Llama-3.2-1B-Instruct"},
+            }
+        },
+    )
     cache = root / "cache"
-    for repo, files in [("Qwen/Qwen3-8B", qwen), ("z-lab/Qwen3-8B-DFlash-b16", dflash),
-                        ("mlx-community/Qwen3-8B-4bit", shallower),
-                        ("meta-llama/Llama-3.1-8B-Instruct", llama),
-                        ("RedHatAI/Llama-3.1-8B-Instruct-speculator.eagle3", eagle)]:
+    for repo, files in [
+        ("Qwen/Qwen3-8B", qwen),
+        ("z-lab/Qwen3-8B-DFlash-b16", dflash),
+        ("mlx-community/Qwen3-8B-4bit", shallower),
+        ("meta-llama/Llama-3.1-8B-Instruct", llama),
+        ("RedHatAI/Llama-3.1-8B-Instruct-speculator.eagle3", eagle),
+    ]:
         hub_cache(cache, repo, files)
     return cache
 
@@ -61,13 +72,17 @@ def offline(hub, monkeypatch):
 
 def test_names_match_as_dflash_mlx_matches():
     assert model_names("/c/hub/models--mlx-community--Qwen3-8B-4bit/snapshots/abc") == [
-        "mlx-community/Qwen3-8B-4bit", "abc"]
+        "mlx-community/Qwen3-8B-4bit",
+        "abc",
+    ]
     for name in ("Qwen/Qwen3-8B", "mlx-community/Qwen3-8B-4bit", "qwen3-8b_mlx"):
         assert published_for([name])[0].repo == "z-lab/Qwen3-8B-DFlash-b16", name
-    assert published_for(["mlx-community/Qwen3-8B-Base"])   # a dash after the registered name
+    assert published_for(["mlx-community/Qwen3-8B-Base"])  # a dash after the registered name
     assert not published_for(["Qwen/Qwen3-80B"]) and not published_for(["my-model"])
     # The longest registered name wins: Qwen3.5-9B, not a shorter Qwen3 entry.
-    assert [e.repo for e in published_for(["mlx-community/Qwen3.5-9B-MLX-4bit"])] == ["z-lab/Qwen3.5-9B-DFlash"]
+    assert [e.repo for e in published_for(["mlx-community/Qwen3.5-9B-MLX-4bit"])] == [
+        "z-lab/Qwen3.5-9B-DFlash"
+    ]
 
 
 def test_auto_picks_the_published_dflash_drafter_offline(offline):
@@ -81,14 +96,38 @@ def test_cli_says_what_auto_chose(offline):
     import os
 
     env = dict(os.environ)
-    out = subprocess.run([sys.executable, "-m", "mlx_spec.cli", "generate", "--model", "Qwen/Qwen3-8B", "--draft",
-                          "auto", "--suffix-memory", "off", "-m", "12", "--json", "hello"],
-                         capture_output=True, text=True, timeout=300, env=env)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mlx_spec.cli",
+            "generate",
+            "--model",
+            "Qwen/Qwen3-8B",
+            "--draft",
+            "auto",
+            "--suffix-memory",
+            "off",
+            "-m",
+            "12",
+            "--json",
+            "hello",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     assert out.returncode == 0, out.stderr
     reply = json.loads(out.stdout)
     assert reply["draft"] == "dflash" and "z-lab/Qwen3-8B-DFlash-b16" in reply["draft_why"]
-    listed = subprocess.run([sys.executable, "-m", "mlx_spec.cli", "drafters", "mlx-community/Qwen3-8B-4bit"],
-                            capture_output=True, text=True, timeout=120, env=env)
+    listed = subprocess.run(
+        [sys.executable, "-m", "mlx_spec.cli", "drafters", "mlx-community/Qwen3-8B-4bit"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
     assert listed.returncode == 0, listed.stderr
     assert "z-lab/Qwen3-8B-DFlash-b16" in listed.stdout and "in the cache" in listed.stdout
     assert "RedHatAI/Qwen3-8B-speculator.eagle3" in listed.stdout and "not downloaded" in listed.stdout
@@ -99,17 +138,22 @@ def test_a_drafter_for_another_target_is_passed_over(offline):
     target = load_target(model_names_dir(offline, "meta-llama/Llama-3.1-8B-Instruct"), "float32")
     choice = choose(target, AUTO, note=notes.append)
     assert choice.draft == "suffix"
-    assert any("RedHatAI/Llama-3.1-8B-Instruct-speculator.eagle3" in n
-               and "names the target meta-llama/Llama-3.2-1B-Instruct" in n for n in notes), notes
+    assert any(
+        "RedHatAI/Llama-3.1-8B-Instruct-speculator.eagle3" in n
+        and "names the target meta-llama/Llama-3.2-1B-Instruct" in n
+        for n in notes
+    ), notes
     # Offline, the registered drafter not in the cache is said, not fetched.
-    assert any("z-lab/LLaMA3.1-8B-Instruct-DFlash-UltraChat" in n and "HF_HUB_OFFLINE" in n for n in notes), notes
+    assert any("z-lab/LLaMA3.1-8B-Instruct-DFlash-UltraChat" in n and "HF_HUB_OFFLINE" in n for n in notes), (
+        notes
+    )
 
 
 def test_a_dflash_drafter_of_another_depth_is_passed_over(offline):
     """z-lab's configs say the depth of the target they were trained on: a Qwen3-8B drafter
     found for a model of another depth does not fit."""
     notes = []
-    target = load_target(model_names_dir(offline, "mlx-community/Qwen3-8B-4bit"), "float32")   # 3 layers
+    target = load_target(model_names_dir(offline, "mlx-community/Qwen3-8B-4bit"), "float32")  # 3 layers
     assert choose(target, AUTO, note=notes.append).draft == "suffix"
     assert any("trained on a target of 4 layers; this one has 3" in n for n in notes), notes
 
@@ -130,9 +174,13 @@ def test_an_unknown_model_picks_suffix(tmp_path):
 
 def test_auto_refuses_options_of_one_source(tmp_path):
     path = tiny_chat_model_dir(tmp_path / "m")
-    with pytest.raises(MlxSpecError, match="--draft auto picks the source and its drafter: drop --tree-budget"):
+    with pytest.raises(
+        MlxSpecError, match="--draft auto picks the source and its drafter: drop --tree-budget"
+    ):
         load_model(str(path), draft="auto", tree_budget=8)
-    with pytest.raises(MlxSpecError, match="--draft auto picks the source and its drafter: drop --draft-model"):
+    with pytest.raises(
+        MlxSpecError, match="--draft auto picks the source and its drafter: drop --draft-model"
+    ):
         load_model(str(path), draft="auto", draft_model=str(path))
 
 

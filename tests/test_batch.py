@@ -35,7 +35,7 @@ class PerPromptScript(ScriptedDrafter):
 
     def prefill(self, context, taps, start):
         key = tuple(context)
-        self.reference = self.references.get(key, [])   # unknown: drafts nothing
+        self.reference = self.references.get(key, [])  # unknown: drafts nothing
         self.wrong_every = 2 + len(key) % 5
         self.position = 0
 
@@ -80,11 +80,14 @@ def test_rows_of_every_acceptance_length_match_mlx_lm(target, references, adapti
 
 def test_mixed_sources_in_one_batch(target, references):
     """Lookup, a draft model, plain decoding and a scripted drafter share each pass."""
-    engines = [Engine(target, LookupDrafter(), num_draft_tokens=4, adaptive=False),
-               Engine(target, DraftModelDrafter(tiny_target("llama", seed=6), 32), num_draft_tokens=3,
-                      adaptive=False),
-               Engine(target),
-               Engine(target, PerPromptScript(references, 32), num_draft_tokens=6, adaptive=False)]
+    engines = [
+        Engine(target, LookupDrafter(), num_draft_tokens=4, adaptive=False),
+        Engine(
+            target, DraftModelDrafter(tiny_target("llama", seed=6), 32), num_draft_tokens=3, adaptive=False
+        ),
+        Engine(target),
+        Engine(target, PerPromptScript(references, 32), num_draft_tokens=6, adaptive=False),
+    ]
     batch = BatchEngine(engines)
     rows = [batch.add(p, max_tokens=40, engine=e) for p, e in zip(PROMPTS, engines)]
     outputs = {id(r): [] for r in rows}
@@ -94,7 +97,7 @@ def test_mixed_sources_in_one_batch(target, references):
                 outputs[id(row)].append(event.id)
     for prompt, row in zip(PROMPTS, rows):
         assert outputs[id(row)] == references[tuple(prompt)]
-    assert engines[0].cached_tokens[:len(PROMPTS[0])] == PROMPTS[0]
+    assert engines[0].cached_tokens[: len(PROMPTS[0])] == PROMPTS[0]
 
 
 def test_eos_inside_drafts_and_the_cache_after(references):
@@ -106,15 +109,15 @@ def test_eos_inside_drafts_and_the_cache_after(references):
     batch = BatchEngine.spawned(engine, 2)
     results = batch_run(batch, [(PROMPTS[0], dict(max_tokens=40)), (PROMPTS[2], dict(max_tokens=40))])
     tokens, stats = results[0]
-    assert tokens == reference[:reference.index(eos)] and stats.finish_reason == "eos"
+    assert tokens == reference[: reference.index(eos)] and stats.finish_reason == "eos"
     # A row that left holds exactly its kept tokens, as a KVCache of its own.
     for e in batch.engines:
         assert all(c.offset == len(e.cached_tokens) for c in e.cache)
     # ... and its next turn reuses that cache.
-    first = [e for e in batch.engines if e.cached_tokens[:len(PROMPTS[0])] == PROMPTS[0]][0]
+    first = [e for e in batch.engines if e.cached_tokens[: len(PROMPTS[0])] == PROMPTS[0]][0]
     follow_up = PROMPTS[0] + tokens + [eos, 3, 4]
     tokens, stats = batch_run(batch, [(follow_up, dict(max_tokens=5, engine=first))])[0]
-    assert tokens == [t for t in plain_greedy(target.model, follow_up, 5)][:len(tokens)]
+    assert tokens == [t for t in plain_greedy(target.model, follow_up, 5)][: len(tokens)]
     assert stats.prompt_cached >= len(PROMPTS[0]) + 5
 
 
@@ -146,13 +149,16 @@ def test_sampled_batch_is_exact():
     target = tiny_target("llama", vocab_size=VOCAB, seed=11, scale=2.5, num_layers=1, hidden_size=32)
     prompt, params = repeated_prompt(), SamplingParams(temp=1.0)
     draft = tiny_target("llama", vocab_size=VOCAB, seed=12, scale=2.5, num_layers=1, hidden_size=32)
-    engines = [Engine(target, LookupDrafter(), num_draft_tokens=3, adaptive=False),
-               Engine(target, DraftModelDrafter(draft, VOCAB), num_draft_tokens=2, adaptive=False, residual=True),
-               Engine(target)]
+    engines = [
+        Engine(target, LookupDrafter(), num_draft_tokens=3, adaptive=False),
+        Engine(target, DraftModelDrafter(draft, VOCAB), num_draft_tokens=2, adaptive=False, residual=True),
+        Engine(target),
+    ]
     engines += [e.spawn() for e in engines]
     n = 3000
-    results = batch_run(BatchEngine(engines), [(prompt, dict(max_tokens=3, sampling=params, seed=s))
-                                               for s in range(n)])
+    results = batch_run(
+        BatchEngine(engines), [(prompt, dict(max_tokens=3, sampling=params, seed=s)) for s in range(n)]
+    )
     from collections import Counter
 
     counts = Counter(tuple(results[i][0]) for i in range(n))
@@ -175,7 +181,7 @@ def test_a_removed_row_leaves_the_others_alone(target, references):
                 outputs[id(row)].append(event.id)
     for i in (0, 2):
         assert outputs[id(rows[i])] == references[tuple(PROMPTS[i])][:30]
-    tokens, _ = batch_run(batch, [(PROMPTS[1], dict(max_tokens=30))])[0]   # the engine is reusable
+    tokens, _ = batch_run(batch, [(PROMPTS[1], dict(max_tokens=30))])[0]  # the engine is reusable
     assert tokens == references[tuple(PROMPTS[1])][:30]
 
 
@@ -190,44 +196,61 @@ def test_a_long_prompt_prefills_a_chunk_per_step_beside_decoding_rows(target, re
     engine = Engine(target, PerPromptScript(references, 32), num_draft_tokens=2, adaptive=False)
     batch = BatchEngine.spawned(engine, 2)
     first = batch.add(PROMPTS[0], max_tokens=40)
-    events = batch.step() + batch.step()   # its 14 prompt tokens in, in two chunks
+    events = batch.step() + batch.step()  # its 14 prompt tokens in, in two chunks
     second = batch.add(long, max_tokens=20)
     while batch.rows:
         events += batch.step()
     progress = [i for i, (row, e) in enumerate(events) if row is second and isinstance(e, Prefilling)]
-    assert [(events[i][1].done, events[i][1].total) for i in progress] == [(8, 39), (16, 39), (24, 39), (32, 39)]
-    assert all(any(row is first and isinstance(e, Step) for row, e in events[i:j])
-               for i, j in zip(progress, progress[1:]))
-    tokens = {id(row): [e.id for r, e in events if r is row and isinstance(e, Token)] for row in (first, second)}
+    assert [(events[i][1].done, events[i][1].total) for i in progress] == [
+        (8, 39),
+        (16, 39),
+        (24, 39),
+        (32, 39),
+    ]
+    assert all(
+        any(row is first and isinstance(e, Step) for row, e in events[i:j])
+        for i, j in zip(progress, progress[1:])
+    )
+    tokens = {
+        id(row): [e.id for r, e in events if r is row and isinstance(e, Token)] for row in (first, second)
+    }
     assert tokens[id(first)] == references[tuple(PROMPTS[0])]
     assert tokens[id(second)] == plain_greedy(target.model, long, 20)
     # removed in the middle of its prompt: the other row goes on, the engine serves again
     first, second = batch.add(PROMPTS[3], max_tokens=30), batch.add(long, max_tokens=5)
     events = batch.step() + batch.step()
-    assert any(row is second and isinstance(e, Prefilling) for row, e in events) and second.prefill is not None
+    assert (
+        any(row is second and isinstance(e, Prefilling) for row, e in events) and second.prefill is not None
+    )
     batch.remove(second)
     while batch.rows:
         events += batch.step()
-    assert [e.id for r, e in events if r is first and isinstance(e, Token)] == references[tuple(PROMPTS[3])][:30]
+    assert [e.id for r, e in events if r is first and isinstance(e, Token)] == references[tuple(PROMPTS[3])][
+        :30
+    ]
     assert batch_run(batch, [(long, dict(max_tokens=12))])[0][0] == plain_greedy(target.model, long, 12)
 
 
 def test_a_failing_row_fails_alone(target, references):
     batch = BatchEngine.spawned(Engine(target, LookupDrafter()), 2)
     good = batch.add(PROMPTS[0], max_tokens=10)
-    batch.add(list(range(20)) * 60, max_tokens=10)   # past the tiny model's context of 1024
+    batch.add(list(range(20)) * 60, max_tokens=10)  # past the tiny model's context of 1024
     events = []
     while batch.rows:
         events += batch.step()
     errors = [e for r, e in events if isinstance(e, Failed)]
     assert len(errors) == 1 and isinstance(errors[0].error, MlxSpecError)
-    assert [e.id for r, e in events if r is good and isinstance(e, Token)] == references[tuple(PROMPTS[0])][:10]
+    assert [e.id for r, e in events if r is good and isinstance(e, Token)] == references[tuple(PROMPTS[0])][
+        :10
+    ]
 
 
 def test_what_cannot_share_a_pass_is_refused_in_one_line(target):
     with pytest.raises(MlxSpecError, match="tree drafts"):
         eagle = eagle_target()
-        BatchEngine.spawned(Engine(eagle, EagleDrafter(random_eagle(eagle), eagle.vocab_size, tree_budget=8)), 2)
+        BatchEngine.spawned(
+            Engine(eagle, EagleDrafter(random_eagle(eagle), eagle.vocab_size, tree_budget=8)), 2
+        )
     with pytest.raises(MlxSpecError, match="share one target"):
         BatchEngine([Engine(target), Engine(tiny_target("llama", seed=9))])
 
@@ -240,8 +263,13 @@ def test_tree_sources_batch_as_their_chains(target):
     layer = random_eagle(eagle)
     layer._target_embed = eagle.embed
     for model, drafter, prompts in (
-            (eagle, EagleDrafter(layer, eagle.vocab_size, tree_budget=8), [repeated_prompt(12, s) for s in range(3)]),
-            (target, SuffixDrafter(tree_budget=8), PROMPTS)):
+        (
+            eagle,
+            EagleDrafter(layer, eagle.vocab_size, tree_budget=8),
+            [repeated_prompt(12, s) for s in range(3)],
+        ),
+        (target, SuffixDrafter(tree_budget=8), PROMPTS),
+    ):
         engine = Engine(model, drafter, num_draft_tokens=4, adaptive=False)
         assert engine.unbatchable() is not None and drafter.tree
         chains = engine.with_chain_drafts()
@@ -278,16 +306,16 @@ def test_a_row_that_widens_the_pass_alone_is_charged_the_widening(target):
     evenly when no row drafted; when one did, the widening (the padding of every other row) is
     its own, so that it does not draft where that does not pay the batch."""
     batch = BatchEngine([Engine(target) for _ in range(4)])
-    for _ in range(3):   # a pass costs 10 ms plus 1 ms a token
+    for _ in range(3):  # a pass costs 10 ms plus 1 ms a token
         for tokens in (4, 8, 12, 20):
             batch.pass_cost.record(tokens, 0.010 + 0.001 * tokens)
     assert batch.shares([1, 1, 1, 1], 1) == pytest.approx([0.25] * 4)
     alone = batch.shares([5, 1, 1, 1], 5)
     assert sum(alone) == pytest.approx(1.0)
-    plain = batch.pass_cost(4) / batch.pass_cost(20)   # the plain pass's part of one 5 tokens wide
+    plain = batch.pass_cost(4) / batch.pass_cost(20)  # the plain pass's part of one 5 tokens wide
     assert plain == pytest.approx(0.014 / 0.030, rel=0.02)
     assert alone[0] == pytest.approx(plain / 4 + (1 - plain))
     assert alone[1:] == pytest.approx([plain / 4] * 3)
-    together = batch.shares([5, 5, 5, 5], 5)   # every row widened: each pays its part
+    together = batch.shares([5, 5, 5, 5], 5)  # every row widened: each pays its part
     assert together == pytest.approx([0.25] * 4)
     assert alone[0] * 0.030 - 0.014 / 4 > 3 * (together[0] * 0.030 - 0.014 / 4)

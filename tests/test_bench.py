@@ -39,8 +39,10 @@ def test_lossless_counter_catches_a_divergent_method(tiny_dir, temp):
     # At temperature 1 the baseline (mlx-lm's loop) draws by the seeded rule: the same text.
     target = load_target(tiny_dir, "float32")
     sampling = SamplingParams(temp=temp)
-    engines = {"lookup": Engine(target, LookupDrafter(), sampling=sampling, seed=3),
-               "broken": DivergentEngine(target, sampling=sampling, seed=3)}
+    engines = {
+        "lookup": Engine(target, LookupDrafter(), sampling=sampling, seed=3),
+        "broken": DivergentEngine(target, sampling=sampling, seed=3),
+    }
     items = bench.load_prompts(None, ["summarize", "code"])
     records = bench.run_bench(target, engines, items, max_tokens=12, repeats=1, sampling=sampling, seed=3)
     rows = {(r["method"], r["category"]): r for r in bench.summarize(records)}
@@ -53,8 +55,15 @@ def test_a_single_category_run_prints_its_histogram(tiny_dir):
     """One category has no "all" row: its own row is the whole, histogram included."""
     target = load_target(tiny_dir, "float32")
     engines = {"none": Engine(target), "lookup": Engine(target, LookupDrafter())}
-    records = bench.run_bench(target, engines, bench.load_prompts(None, ["code"]), max_tokens=8, repeats=1,
-                              sampling=SamplingParams(), seed=0)
+    records = bench.run_bench(
+        target,
+        engines,
+        bench.load_prompts(None, ["code"]),
+        max_tokens=8,
+        repeats=1,
+        sampling=SamplingParams(),
+        seed=0,
+    )
     rows = bench.summarize(records)
     assert {row["category"] for row in rows} == {"code"}
     for text in (bench.render_table(rows), bench.render_markdown(rows, {})):
@@ -73,7 +82,9 @@ def test_interleaved_runs_are_timed_apart_in_turns():
             order.append(name)
             yield
 
-    fast, slow = bench.timed_in_turns([sleeper("fast", 0.01, 20), sleeper("slow", 0.02, 10)], turn_seconds=0.05)
+    fast, slow = bench.timed_in_turns(
+        [sleeper("fast", 0.01, 20), sleeper("slow", 0.02, 10)], turn_seconds=0.05
+    )
     # Each is charged its own work only (0.2 s), not the other's turns in between...
     assert 0.19 < fast < 0.3 and 0.19 < slow < 0.3
     # ... and they alternated, a few steps at a time.
@@ -99,7 +110,7 @@ def test_work_left_in_flight_is_charged_to_the_run_that_left_it():
     alone = time.perf_counter() - tic
 
     def asynchronous():
-        mx.async_eval(heavy())   # as mlx-lm does with its next step
+        mx.async_eval(heavy())  # as mlx-lm does with its next step
         yield
 
     def idle():
@@ -111,53 +122,111 @@ def test_work_left_in_flight_is_charged_to_the_run_that_left_it():
 
 def test_bench_cli_writes_every_field(tiny_dir, tmp_path):
     prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text(json.dumps({"question_id": "q1", "category": "chat", "turns": ["Hi.", "And then?"]}) + "\n"
-                       + json.dumps({"prompt": "Repeat: a b c d e f", "category": "copy"}) + "\n")
+    prompts.write_text(
+        json.dumps({"question_id": "q1", "category": "chat", "turns": ["Hi.", "And then?"]})
+        + "\n"
+        + json.dumps({"prompt": "Repeat: a b c d e f", "category": "copy"})
+        + "\n"
+    )
     out = tmp_path / "bench.json"
     markdown = tmp_path / "bench.md"
     result = subprocess.run(
-        [sys.executable, "-m", "mlx_spec.cli", "bench", "--model", str(tiny_dir), "--prompts", str(prompts),
-         "--methods", "none,lookup", "--max-tokens", "10", "--repeats", "2", "--json", str(out),
-         "--markdown", str(markdown)], capture_output=True, text=True, timeout=600)
+        [
+            sys.executable,
+            "-m",
+            "mlx_spec.cli",
+            "bench",
+            "--model",
+            str(tiny_dir),
+            "--prompts",
+            str(prompts),
+            "--methods",
+            "none,lookup",
+            "--max-tokens",
+            "10",
+            "--repeats",
+            "2",
+            "--json",
+            str(out),
+            "--markdown",
+            str(markdown),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stderr
-    assert "speedup" in result.stdout and "bench" in result.stderr      # table and progress bar
+    assert "speedup" in result.stdout and "bench" in result.stderr  # table and progress bar
     data = json.loads(out.read_text())
     assert set(data["meta"]) >= {"machine", "mlx", "mlx-lm", "device", "dtype", "model", "drafters"}
-    assert len(data["records"]) == 2 * 2 * 3          # methods x repeats x turns (2 + 1)
+    assert len(data["records"]) == 2 * 2 * 3  # methods x repeats x turns (2 + 1)
     assert {r["turn"] for r in data["records"]} == {0, 1}
     for record in data["records"]:
-        assert set(record) >= {"method", "category", "question_id", "turn", "repeat", "generated_tokens",
-                               "seconds", "steps", "baseline_tokens", "baseline_seconds", "identical",
-                               "first_difference", "tokens_per_step_histogram"}
+        assert set(record) >= {
+            "method",
+            "category",
+            "question_id",
+            "turn",
+            "repeat",
+            "generated_tokens",
+            "seconds",
+            "steps",
+            "baseline_tokens",
+            "baseline_seconds",
+            "identical",
+            "first_difference",
+            "tokens_per_step_histogram",
+        }
         assert record["identical"] is True
     for row in data["summary"]:
-        assert set(row) >= {"method", "category", "tokens_per_second", "baseline_tokens_per_second", "speedup",
-                            "tokens_per_step", "acceptance_rate", "identical", "tokens_per_step_histogram"}
+        assert set(row) >= {
+            "method",
+            "category",
+            "tokens_per_second",
+            "baseline_tokens_per_second",
+            "speedup",
+            "tokens_per_step",
+            "acceptance_rate",
+            "identical",
+            "tokens_per_step_histogram",
+        }
     assert {row["category"] for row in data["summary"]} == {"chat", "copy", "all"}
     assert markdown.read_text().startswith("| method |")
 
 
-@pytest.mark.parametrize("content,message", [
-    ("{nope\n", "line 1 is not JSON"),
-    ('{"prompt": "a"}\n{"prompt": "b",\n', "line 2 is not JSON"),
-    ('["a"]\n', "expected an object"),
-    ('{"prompt": 5}\n', "'prompt' must be a string"),
-    ('{"turns": "hello"}\n', "'turns' a list of strings"),
-    ("\n\n", "holds no prompt"),
-], ids=["json", "json-line-2", "list", "number", "turns-string", "blank"])
+@pytest.mark.parametrize(
+    "content,message",
+    [
+        ("{nope\n", "line 1 is not JSON"),
+        ('{"prompt": "a"}\n{"prompt": "b",\n', "line 2 is not JSON"),
+        ('["a"]\n', "expected an object"),
+        ('{"prompt": 5}\n', "'prompt' must be a string"),
+        ('{"turns": "hello"}\n', "'turns' a list of strings"),
+        ("\n\n", "holds no prompt"),
+    ],
+    ids=["json", "json-line-2", "list", "number", "turns-string", "blank"],
+)
 def test_bad_prompts_file(tmp_path, content, message):
     bad = tmp_path / "bad.jsonl"
     bad.write_text(content)
-    result = subprocess.run([sys.executable, "-m", "mlx_spec.cli", "bench", "--prompts", str(bad)],
-                            capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-m", "mlx_spec.cli", "bench", "--prompts", str(bad)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 1
     assert result.stderr.strip().count("\n") == 0 and message in result.stderr, result.stderr
 
 
 @pytest.mark.parametrize("option", ["--json", "--markdown", "--plot"])
 def test_unwritable_output_is_refused_before_the_run(tmp_path, option):
-    result = subprocess.run([sys.executable, "-m", "mlx_spec.cli", "bench", option, "/nonexistent/dir/out"],
-                            capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-m", "mlx_spec.cli", "bench", option, "/nonexistent/dir/out"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 1 and "bench" not in result.stderr.replace("cannot write", "")
     assert result.stderr.strip().count("\n") == 0 and "no directory /nonexistent/dir" in result.stderr
 
@@ -169,11 +238,32 @@ def test_rows_follow_methods_and_say_what_they_cannot(tmp_path):
     prompts.write_text(json.dumps({"prompt": "Count from one to five.", "category": "count"}) + "\n")
     out = tmp_path / "bench.json"
     result = subprocess.run(
-        [sys.executable, "-m", "mlx_spec.cli", "bench", "--prompts", str(prompts), "--methods", "none,eagle",
-         "--max-tokens", "4", "--repeats", "1", "--json", str(out)], capture_output=True, text=True, timeout=600)
+        [
+            sys.executable,
+            "-m",
+            "mlx_spec.cli",
+            "bench",
+            "--prompts",
+            str(prompts),
+            "--methods",
+            "none,eagle",
+            "--max-tokens",
+            "4",
+            "--repeats",
+            "1",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stderr
     data = json.loads(out.read_text())
-    assert [(row["method"], row["category"]) for row in data["summary"]] == [("none", "count"), ("eagle", "count")]
+    assert [(row["method"], row["category"]) for row in data["summary"]] == [
+        ("none", "count"),
+        ("eagle", "count"),
+    ]
     assert data["summary"][0]["acceptance_rate"] is None
     table = result.stdout.splitlines()
     assert table[2].split()[:2] == ["none", "count"] and "n/a" in table[2]
@@ -185,11 +275,13 @@ def test_rows_follow_methods_and_say_what_they_cannot(tmp_path):
 class DivergentRun(Engine):
     """As DivergentEngine, for the batched path (which drives Engine.run)."""
 
-    def run(self, prompt, max_tokens=256, stop_strings=(), sampling=None, seed=None, options=GenerationOptions()):
+    def run(
+        self, prompt, max_tokens=256, stop_strings=(), sampling=None, seed=None, options=GenerationOptions()
+    ):
         n, events = 0, super().run(prompt, max_tokens, stop_strings, sampling, seed, options)
         event = next(events)
         while True:
-            if isinstance(event, Token):   # not a pending pass
+            if isinstance(event, Token):  # not a pending pass
                 n += 1
                 if n == 6:
                     event = replace(event, id=(event.id + 1) % 100)
@@ -202,11 +294,14 @@ class DivergentRun(Engine):
 def test_concurrent_mode_counts_lossless_outputs_against_mlx_lm_batched(tiny_dir):
     target = load_target(tiny_dir, "float32")
     sampling = SamplingParams()
-    engines = {"lookup": Engine(target, LookupDrafter(), sampling=sampling),
-               "broken": DivergentRun(target, sampling=sampling)}
+    engines = {
+        "lookup": Engine(target, LookupDrafter(), sampling=sampling),
+        "broken": DivergentRun(target, sampling=sampling),
+    }
     items = bench.load_prompts(None, ["summarize", "code"])
-    records = bench.run_concurrent(target, engines, items, max_tokens=12, repeats=2, sampling=sampling,
-                                   concurrency=3)
+    records = bench.run_concurrent(
+        target, engines, items, max_tokens=12, repeats=2, sampling=sampling, concurrency=3
+    )
     rows = {r["method"]: r for r in bench.summarize(records)}
     assert rows["lookup"]["identical"] == "8/8" and rows["broken"]["identical"] == "0/8"
     assert rows["broken"]["first_differences"] == [5] * 8

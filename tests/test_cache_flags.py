@@ -26,7 +26,7 @@ from tiny import ScriptedDrafter, run, tiny_target
 
 KV = KVQuantization(bits=2, group_size=32, start=24)
 PROMPT = [1, 5, 7, 9, 11, 13, 2, 5, 7, 9, 11, 13, 2, 5]
-LONG_PROMPT = PROMPT * 3          # past the switch already at prefill
+LONG_PROMPT = PROMPT * 3  # past the switch already at prefill
 
 
 def target_32():
@@ -35,8 +35,17 @@ def target_32():
 
 
 def mlx_lm_greedy(model, prompt, max_tokens, kv=KV):
-    return [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=max_tokens, kv_bits=kv.bits,
-                                             kv_group_size=kv.group_size, quantized_kv_start=kv.start)]
+    return [
+        int(t)
+        for t, _ in generate_step(
+            mx.array(prompt),
+            model,
+            max_tokens=max_tokens,
+            kv_bits=kv.bits,
+            kv_group_size=kv.group_size,
+            quantized_kv_start=kv.start,
+        )
+    ]
 
 
 @pytest.mark.parametrize("prompt", [PROMPT, LONG_PROMPT], ids=["switch-while-decoding", "switch-at-prefill"])
@@ -44,17 +53,36 @@ def test_plain_decoding_equals_mlx_lm_with_the_same_flags(prompt):
     target = target_32()
     engine = Engine(target, kv_quantization=KV)
     assert run(engine, prompt, 40)[0] == mlx_lm_greedy(target.model, prompt, 40)
-    assert all(isinstance(c, QuantizedKVCache) for c in engine.cache)   # the switch happened
+    assert all(isinstance(c, QuantizedKVCache) for c in engine.cache)  # the switch happened
     # A conversation goes on over the same cache, as mlx-lm's chat goes on over its prompt cache
     # (which holds every token generate_step yielded: it computed the one after the last).
     from mlx_lm.models.cache import make_prompt_cache
 
     cache = make_prompt_cache(target.model)
-    first = [int(t) for t, _ in generate_step(mx.array(prompt), target.model, max_tokens=40, prompt_cache=cache,
-                                              kv_bits=KV.bits, kv_group_size=KV.group_size, quantized_kv_start=KV.start)]
-    second = [int(t) for t, _ in generate_step(mx.array([3, 4]), target.model, max_tokens=20,
-                                               prompt_cache=cache, kv_bits=KV.bits, kv_group_size=KV.group_size,
-                                               quantized_kv_start=KV.start)]
+    first = [
+        int(t)
+        for t, _ in generate_step(
+            mx.array(prompt),
+            target.model,
+            max_tokens=40,
+            prompt_cache=cache,
+            kv_bits=KV.bits,
+            kv_group_size=KV.group_size,
+            quantized_kv_start=KV.start,
+        )
+    ]
+    second = [
+        int(t)
+        for t, _ in generate_step(
+            mx.array([3, 4]),
+            target.model,
+            max_tokens=20,
+            prompt_cache=cache,
+            kv_bits=KV.bits,
+            kv_group_size=KV.group_size,
+            quantized_kv_start=KV.start,
+        )
+    ]
     assert run(engine, prompt + first + [3, 4], 20)[0] == second
 
 
@@ -67,9 +95,15 @@ def test_refusals(tmp_path, monkeypatch):
     path, mtp_target, _, _ = write_published(tmp_path, "llama")
     tree = ScriptedDrafter([], 1, 32)
     tree.tree = True
-    for drafter, over in ((LookupDrafter(), target), (DraftModelDrafter(target, target.vocab_size), target),
-                          (tree, target), (EagleDrafter(load_mtp(path, mtp_target), 32), mtp_target)):
-        with pytest.raises(MlxSpecError, match="--kv-bits: a verification pass computes keys and values equal"):
+    for drafter, over in (
+        (LookupDrafter(), target),
+        (DraftModelDrafter(target, target.vocab_size), target),
+        (tree, target),
+        (EagleDrafter(load_mtp(path, mtp_target), 32), mtp_target),
+    ):
+        with pytest.raises(
+            MlxSpecError, match="--kv-bits: a verification pass computes keys and values equal"
+        ):
             Engine(over, drafter, kv_quantization=KV)
     windowed = tiny_target("gemma3_text", scale=3.0, **WINDOWED["gemma3_text"])
     with pytest.raises(MlxSpecError, match="--kv-bits: mlx-lm cannot quantize the RotatingKVCache"):
@@ -89,7 +123,9 @@ def qwen3_target(seed=0):
 
 
 def mlx_lm_bounded(model, prompt, max_tokens):
-    return [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=max_tokens, max_kv_size=WINDOW)]
+    return [
+        int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=max_tokens, max_kv_size=WINDOW)
+    ]
 
 
 def feature_drafter(source, target, tmp_path):
@@ -105,9 +141,16 @@ def feature_drafter(source, target, tmp_path):
 @pytest.mark.parametrize("prompt", [PROMPT, LONG_PROMPT], ids=["short-prompt", "prompt-past-the-window"])
 def test_a_bounded_cache_equals_mlx_lm_past_its_size(tmp_path, source, prompt):
     target = qwen3_target()
-    drafter = (feature_drafter(source, target, tmp_path) if source in ("eagle", "dflash") else
-               {"none": None, "lookup": LookupDrafter(), "draft-model": DraftModelDrafter(qwen3_target(1), 32),
-                "same-model": DraftModelDrafter(target, 32)}[source])
+    drafter = (
+        feature_drafter(source, target, tmp_path)
+        if source in ("eagle", "dflash")
+        else {
+            "none": None,
+            "lookup": LookupDrafter(),
+            "draft-model": DraftModelDrafter(qwen3_target(1), 32),
+            "same-model": DraftModelDrafter(target, 32),
+        }[source]
+    )
     engine = Engine(target, drafter, num_draft_tokens=4, adaptive=False, max_kv_size=WINDOW)
     tokens, stats = run(engine, prompt, 48)
     assert tokens == mlx_lm_bounded(target.model, prompt, 48)
@@ -120,8 +163,15 @@ def test_a_bounded_conversation_and_seeded_sampling_equal_draft_none():
     target = qwen3_target()
     params = SamplingParams(temp=1.0)
     plain = Engine(target, max_kv_size=WINDOW, sampling=params, seed=3)
-    model = Engine(target, DraftModelDrafter(target, target.vocab_size), num_draft_tokens=4, adaptive=False,
-                   max_kv_size=WINDOW, sampling=params, seed=3)
+    model = Engine(
+        target,
+        DraftModelDrafter(target, target.vocab_size),
+        num_draft_tokens=4,
+        adaptive=False,
+        max_kv_size=WINDOW,
+        sampling=params,
+        seed=3,
+    )
     context = list(PROMPT)
     for turn in range(3):
         expected = run(plain, context, 20, seed=turn)[0]
@@ -137,7 +187,7 @@ def test_a_tree_pass_over_a_bounded_cache_equals_bounded_decoding_of_each_path()
     from test_tree import PARENTS
 
     target, tree = qwen3_target(), Tree(PARENTS)
-    context = LONG_PROMPT[:30]            # past the window of 16
+    context = LONG_PROMPT[:30]  # past the window of 16
     node_tokens = [context[-1], 7, 8, 9, 10, 11, 12, 13]
 
     def decoded(tokens):
@@ -161,9 +211,9 @@ def test_a_tree_pass_over_a_bounded_cache_equals_bounded_decoding_of_each_path()
         for ours, theirs in zip(cache, plain):
             assert ours.offset == theirs.offset
             a, b = ours._temporal_order(ours.keys), theirs._temporal_order(theirs.keys)
-            n = WINDOW - 1    # the window a next token sees besides itself
+            n = WINDOW - 1  # the window a next token sees besides itself
             assert mx.allclose(a[..., :4, :], b[..., :4, :], atol=1e-4).item()
-            assert mx.allclose(a[..., -(n - 4):, :], b[..., -(n - 4):, :], atol=1e-4).item()
+            assert mx.allclose(a[..., -(n - 4) :, :], b[..., -(n - 4) :, :], atol=1e-4).item()
 
 
 @pytest.mark.parametrize("source", ["scripted", "eagle-tree"])
@@ -176,15 +226,17 @@ def test_trees_over_a_bounded_cache_equal_mlx_lm_past_its_size(tmp_path, source)
     if source == "scripted":
         drafter = ScriptedTreeDrafter(expected, 32)
     else:
-        drafter = EagleDrafter(random_feature_models(target, tmp_path)[0], target.vocab_size, tree_budget=12,
-                               tree_topk=3)
+        drafter = EagleDrafter(
+            random_feature_models(target, tmp_path)[0], target.vocab_size, tree_budget=12, tree_topk=3
+        )
     engine = Engine(target, drafter, num_draft_tokens=4, adaptive=False, max_kv_size=WINDOW)
     tokens, stats = run(engine, LONG_PROMPT, 48)
     assert tokens == expected
     assert stats.drafted_tokens > 0 and (source != "scripted" or stats.tokens_per_step > 3)
-    if source == "eagle-tree":   # seeded sampling: what --draft none --seed S prints
+    if source == "eagle-tree":  # seeded sampling: what --draft none --seed S prints
         params = SamplingParams(temp=1.0)
         plain = run(Engine(target, max_kv_size=WINDOW, sampling=params, seed=3), LONG_PROMPT, 40)[0]
-        engine = Engine(target, drafter, num_draft_tokens=4, adaptive=False, max_kv_size=WINDOW,
-                        sampling=params, seed=3)
+        engine = Engine(
+            target, drafter, num_draft_tokens=4, adaptive=False, max_kv_size=WINDOW, sampling=params, seed=3
+        )
         assert run(engine, LONG_PROMPT, 40)[0] == plain

@@ -17,8 +17,9 @@ from tiny import save_model, tiny_config, tiny_model
 
 def cli(args, **kwargs):
     """Run the installed console script; (exit code, stdout, stderr)."""
-    result = subprocess.run([sys.executable, "-m", "mlx_spec.cli", *args], capture_output=True,
-                            text=True, timeout=600, **kwargs)
+    result = subprocess.run(
+        [sys.executable, "-m", "mlx_spec.cli", *args], capture_output=True, text=True, timeout=600, **kwargs
+    )
     return result.returncode, result.stdout, result.stderr
 
 
@@ -39,16 +40,18 @@ def test_generate_json_matches_the_stream():
     assert set(result) == {"text", "tokens", "stats"}
     from mlx_spec.events import STATISTICS
 
-    assert list(result["stats"]) == list(STATISTICS)   # every figure, defined once
+    assert list(result["stats"]) == list(STATISTICS)  # every figure, defined once
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    for name, definition in STATISTICS.items():   # and the README's table defines each one so
+    for name, definition in STATISTICS.items():  # and the README's table defines each one so
         assert f"| `{name}` | {definition} |" in readme, name
     stats = result["stats"]
     assert stats["generated_tokens"] == len(result["tokens"]) <= 24
     # The figures add up: tokens per step counts what the steps committed.
     assert stats["tokens_per_step"] == pytest.approx(stats["committed_tokens"] / stats["steps"])
     assert stats["committed_tokens"] == stats["steps"] + stats["accepted_drafts"]
-    assert stats["acceptance_rate"] == pytest.approx(stats["accepted_drafts"] / max(stats["verified_drafts"], 1))
+    assert stats["acceptance_rate"] == pytest.approx(
+        stats["accepted_drafts"] / max(stats["verified_drafts"], 1)
+    )
     assert stats["verified_drafts"] <= stats["drafted_tokens"]
     code, streamed, err = cli(["generate", "List three fruits.", "--max-tokens", "24", "--draft", "none"])
     assert code == 0
@@ -70,10 +73,14 @@ def test_cache_flags_speculate_exactly_or_say_why_not():
     assert code == 0, err
     engine, tokenizer = load(draft="none")
     ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
-    expected = [int(t) for t, _ in generate_step(mx.array(ids), engine.target.model, max_tokens=40, kv_bits=4,
-                                                 quantized_kv_start=40)]
+    expected = [
+        int(t)
+        for t, _ in generate_step(
+            mx.array(ids), engine.target.model, max_tokens=40, kv_bits=4, quantized_kv_start=40
+        )
+    ]
     ends = [i for i, t in enumerate(expected) if t in engine.target.eos_token_ids]
-    assert json.loads(out)["tokens"] == expected[:ends[0] if ends else 40]
+    assert json.loads(out)["tokens"] == expected[: ends[0] if ends else 40]
     for draft in ("lookup", "eagle"):
         code, _, err = cli(["generate", "Hi.", "--draft", draft, *flags])
         assert_one_line_error(code, err, "--kv-bits: a verification pass computes keys and values")
@@ -105,7 +112,9 @@ def bad_dirs(tmp_path_factory):
     other = save_model(tiny_model(tiny_config(vocab_size=64)), tiny_config(vocab_size=64), root / "other")
     from tokenizers import Tokenizer, models
 
-    Tokenizer(models.WordLevel({f"t{i}": i for i in range(64)}, unk_token="t0")).save(str(other / "tokenizer.json"))
+    Tokenizer(models.WordLevel({f"t{i}": i for i in range(64)}, unk_token="t0")).save(
+        str(other / "tokenizer.json")
+    )
     (other / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
     # Configs without the architecture, or without its sizes (the weights are fine).
     for name, config in (("untyped", {}), ("unsized", {"model_type": "llama", "hidden_size": 64})):
@@ -113,35 +122,45 @@ def bad_dirs(tmp_path_factory):
         (root / name / "config.json").write_text(json.dumps(config))
     # A model whose tokenizer files were left behind.
     save_model(tiny_model(tiny_config()), tiny_config(), root / "untokenized")
-    (root / "untokenized" / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
+    (root / "untokenized" / "tokenizer_config.json").write_text(
+        json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"})
+    )
     return root
 
 
-@pytest.mark.parametrize("args, fragments", [
-    (["--model", "/no/such/model"], ["model not found"]),
-    (["--model", "{root}/corrupt"], ["corrupt config.json"]),
-    (["--model", "{root}/pickled"], ["pickled weights"]),
-    (["--model", "{root}/garbage"], ["cannot load model"]),
-    (["--model", "{root}/untyped"], ["its config.json has no 'model_type'", '"model_type": "llama"']),
-    (["--model", "{root}/unsized"], ["lacks what the llama architecture needs: num_hidden_layers,",
-                                     "vocab_size"]),
-    (["--model", "{root}/untokenized"], ["has no tokenizer.json", "copy the tokenizer files"]),
-    (["--draft", "bogus"], ["unknown draft method 'bogus'"]),
-    (["--dtype", "int3"], ["unknown dtype 'int3'"]),
-    (["--max-tokens", "9000"], ["exceed the model's context of 8192"]),
-    (["--draft", "model"], ["--draft-model"]),
-    (["--draft", "model", "--draft-model", "{root}/other"], ["draft model tokenizer has 64 tokens"]),
-    (["--temp", "-1"], ["--temp"]),
-    (["--bogus-flag"], ["No such option"]),
-    (["--draft-model", "/nonexistent"], ["--draft-model is for --draft", "not --draft lookup"]),
-    (["--tree-budget", "8"], ["--tree-budget is for --draft", "suffix|ddtree|eagle|medusa", "not --draft lookup"]),
-    (["--draft", "mtp", "--tree-budget", "4"], ["--tree-budget is for --draft", "not --draft mtp"]),
-    (["--draft", "eagle", "--ngram-max", "4"], ["--ngram-max is for --draft lookup, not --draft eagle"]),
-    (["--draft", "none", "--exit-layer", "4"], ["--exit-layer is for --draft layerskip"]),
-    (["--draft", "dflash", "--stop-early"], ["--stop-early is for --draft model|eagle|mtp"]),
-    (["--system", "Be terse.", "--no-chat-template"], ["--system goes into the chat template"]),
-    (["--prompt", "Hi"], ["give the prompt once"]),
-])
+@pytest.mark.parametrize(
+    "args, fragments",
+    [
+        (["--model", "/no/such/model"], ["model not found"]),
+        (["--model", "{root}/corrupt"], ["corrupt config.json"]),
+        (["--model", "{root}/pickled"], ["pickled weights"]),
+        (["--model", "{root}/garbage"], ["cannot load model"]),
+        (["--model", "{root}/untyped"], ["its config.json has no 'model_type'", '"model_type": "llama"']),
+        (
+            ["--model", "{root}/unsized"],
+            ["lacks what the llama architecture needs: num_hidden_layers,", "vocab_size"],
+        ),
+        (["--model", "{root}/untokenized"], ["has no tokenizer.json", "copy the tokenizer files"]),
+        (["--draft", "bogus"], ["unknown draft method 'bogus'"]),
+        (["--dtype", "int3"], ["unknown dtype 'int3'"]),
+        (["--max-tokens", "9000"], ["exceed the model's context of 8192"]),
+        (["--draft", "model"], ["--draft-model"]),
+        (["--draft", "model", "--draft-model", "{root}/other"], ["draft model tokenizer has 64 tokens"]),
+        (["--temp", "-1"], ["--temp"]),
+        (["--bogus-flag"], ["No such option"]),
+        (["--draft-model", "/nonexistent"], ["--draft-model is for --draft", "not --draft lookup"]),
+        (
+            ["--tree-budget", "8"],
+            ["--tree-budget is for --draft", "suffix|ddtree|eagle|medusa", "not --draft lookup"],
+        ),
+        (["--draft", "mtp", "--tree-budget", "4"], ["--tree-budget is for --draft", "not --draft mtp"]),
+        (["--draft", "eagle", "--ngram-max", "4"], ["--ngram-max is for --draft lookup, not --draft eagle"]),
+        (["--draft", "none", "--exit-layer", "4"], ["--exit-layer is for --draft layerskip"]),
+        (["--draft", "dflash", "--stop-early"], ["--stop-early is for --draft model|eagle|mtp"]),
+        (["--system", "Be terse.", "--no-chat-template"], ["--system goes into the chat template"]),
+        (["--prompt", "Hi"], ["give the prompt once"]),
+    ],
+)
 def test_bad_input_is_one_line(bad_dirs, args, fragments):
     args = [a.format(root=bad_dirs) for a in args]
     code, out, err = cli(["generate", "Hello", *args])
@@ -158,11 +177,16 @@ def test_convert_bad_file(tmp_path):
 def test_chat_turns_reset_and_ctrl_c_keeps_the_conversation():
     """Ctrl-C in the middle of a long reply: the chat goes on, the printed part of the reply
     stays in the history (and on screen); /reset empties the history."""
-    proc = subprocess.Popen([sys.executable, "-m", "mlx_spec.cli", "chat", "--max-tokens", "400"],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"),
-                            # SIGINT as at a terminal, also where the suite runs with it ignored
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mlx_spec.cli", "chat", "--max-tokens", "400"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+        # SIGINT as at a terminal, also where the suite runs with it ignored
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     chars = []
     reader = threading.Thread(target=lambda: chars.extend(iter(lambda: proc.stdout.read(1), "")), daemon=True)
     reader.start()
@@ -191,14 +215,14 @@ def test_chat_turns_reset_and_ctrl_c_keeps_the_conversation():
     assert "(conversation reset)" in err
     assert "Traceback" not in err
     lines = re.findall(r"prompt: (\d+) tokens(?: \((\d+) cached\))?.*\| reply: (\d+) tokens?, .*", err)
-    assert len(lines) == 3, err                     # one stats line per reply, the interrupted one too
+    assert len(lines) == 3, err  # one stats line per reply, the interrupted one too
     (first, _, replied), (second, kept, _), (third, _, _) = [[int(n or 0) for n in line] for line in lines]
     assert "interrupted" in err.split("| reply:")[1].split("\n")[0]
     # The interrupted reply is part of the history: the same question costs more prompt
     # tokens before /reset than after; and what it computed stayed in the cache.
     assert second > third + 15
     assert kept >= first + replied - 3
-    assert out.startswith(printed)                 # nothing printed was taken back
+    assert out.startswith(printed)  # nothing printed was taken back
 
 
 def test_chat_in_a_terminal():
@@ -210,12 +234,12 @@ def test_chat_in_a_terminal():
 
     term = Terminal([sys.executable, "-m", "mlx_spec.cli", "chat", "-m", "2", "--draft", "none"])
     reply = r"prompt: (\d+) tokens.*\n"
-    term.expect(r"mlx-spec chat: SmolLM2-135M-Instruct, --draft none\r?\n")   # which model, which source
+    term.expect(r"mlx-spec chat: SmolLM2-135M-Instruct, --draft none\r?\n")  # which model, which source
     term.expect(">> ")
-    term.type("/xyz\x1b[DQ\r")                       # left arrow, then an insertion
+    term.type("/xyz\x1b[DQ\r")  # left arrow, then an insertion
     assert term.expect(r"unknown command (\S+);").group(1) == b"/xyQz"
     term.expect(">> ")
-    term.type("\x1b[A\r")                            # up arrow: the last line again
+    term.type("\x1b[A\r")  # up arrow: the last line again
     assert term.expect(r"unknown command (\S+);").group(1) == b"/xyQz"
     term.expect(">> ")
     term.type("/help\r")
@@ -229,20 +253,20 @@ def test_chat_in_a_terminal():
         return int(term.expect(reply).group(1))
 
     first = message("Hi\r")
-    pasted = message("\x1b[200~line one\nline two\nline three\x1b[201~\r")   # bracketed paste
+    pasted = message("\x1b[200~line one\nline two\nline three\x1b[201~\r")  # bracketed paste
     joined = message("line one \\\r", "line two\r")
     quoted = message('"""\r', "line one\r", "line two\r", "line three\r", '"""\r')
     assert min(pasted, joined, quoted) > first
-    long_line = message("alpha " * 2463 + "\r")               # 14,778 characters, one line
+    long_line = message("alpha " * 2463 + "\r")  # 14,778 characters, one line
     assert long_line > 2400, long_line
     # The cached conversation is not counted as computed prompt: the rate is of the new tokens.
     assert re.search(rb"prompt: %d tokens \(\d+ cached\)" % long_line, term.seen)
-    assert re.search(rb"prompt  \[#+-*\] +\d+%", term.seen)   # its progress (more than a chunk of 2,048)
+    assert re.search(rb"prompt  \[#+-*\] +\d+%", term.seen)  # its progress (more than a chunk of 2,048)
 
     term.expect(">> ")
     term.type("some words")
     time.sleep(0.5)
-    term.type("\x03")                                 # Ctrl-C: the line goes, the chat stays
+    term.type("\x03")  # Ctrl-C: the line goes, the chat stays
     term.expect(">> ")
     term.type("alpha " * 9000 + "\r")
     term.expect(r"fills the model's context of 8192 tokens: /reset starts a new one")
@@ -250,7 +274,7 @@ def test_chat_in_a_terminal():
     term.type("/reset\r")
     term.expect(r"\(conversation reset\)")
     term.expect(">> ")
-    term.type("\x04")                                 # Ctrl-D
+    term.type("\x04")  # Ctrl-D
     assert term.wait() == 0
     assert b"Traceback" not in term.seen
     # One reply per message: no pasted or continued line became a turn of its own.
@@ -267,21 +291,39 @@ def test_stats_line_says_what_it_counts():
     from mlx_spec.api import stats_line
     from mlx_spec.events import Stats
 
-    stats = Stats(prompt_tokens=155, prompt_cached=142, prompt_seconds=0.5, generated_tokens=43,
-                  committed_tokens=44, steps=22, verified_drafts=40, accepted_drafts=22, plain_steps=2,
-                  generate_seconds=2.0, finish_reason="eos", seed=77)
+    stats = Stats(
+        prompt_tokens=155,
+        prompt_cached=142,
+        prompt_seconds=0.5,
+        generated_tokens=43,
+        committed_tokens=44,
+        steps=22,
+        verified_drafts=40,
+        accepted_drafts=22,
+        plain_steps=2,
+        generate_seconds=2.0,
+        finish_reason="eos",
+        seed=77,
+    )
     line = stats_line(stats)
-    assert line.startswith("prompt: 155 tokens (142 cached), 24.0 tok/s | ")   # 12 computed (the last: step 1)
+    assert line.startswith("prompt: 155 tokens (142 cached), 24.0 tok/s | ")  # 12 computed (the last: step 1)
     assert "| reply: 43 tokens, 21.5 tok/s, ended by end of text |" in line
     assert "| 22 steps, 2.00 tokens/step (44 committed, end of text included) |" in line
     assert line.endswith("| drafts: 40 verified, 22 accepted (55%); 2 plain steps (no draft verified)")
     assert line.count("end of text") == 2 and "seed" not in line
     assert stats_line(stats, sampled=True).endswith(" | seed 77")
-    one = Stats(prompt_tokens=1, generated_tokens=1, committed_tokens=1, steps=1, plain_steps=1,
-                generate_seconds=0.1, finish_reason="length")
+    one = Stats(
+        prompt_tokens=1,
+        generated_tokens=1,
+        committed_tokens=1,
+        steps=1,
+        plain_steps=1,
+        generate_seconds=0.1,
+        finish_reason="length",
+    )
     line = stats_line(one, speculative=False)
     assert line == "prompt: 1 token | reply: 1 token, 10.0 tok/s, cut at --max-tokens | 1 step (no drafting)"
-    assert stats_line(one).endswith("| 1 step, 1.00 tokens/step | drafts: none verified")   # never drafted
+    assert stats_line(one).endswith("| 1 step, 1.00 tokens/step | drafts: none verified")  # never drafted
     assert one.prompt_tokens_per_second is None and one.as_dict()["prompt_tokens_per_second"] is None
 
 
@@ -294,7 +336,9 @@ def test_empty_prompts_are_refused():
 
 
 def test_python_m_mlx_spec_is_the_cli():
-    result = subprocess.run([sys.executable, "-m", "mlx_spec", "--help"], capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-m", "mlx_spec", "--help"], capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 0 and "Usage: mlx-spec" in result.stdout and "serve" in result.stdout
     assert "EAGLE-3, DFlash, MTP and Medusa" in " ".join(result.stdout.split())
 
@@ -305,11 +349,14 @@ def test_train_takes_model_as_every_command_does():
         assert code == 0 and "--model, --target" in out, out
 
 
-@pytest.mark.parametrize("method, shipped, fragments", [
-    ("eagle", "dflash", ["is a DFlash drafter", "use --draft dflash or --draft ddtree"]),
-    ("model", "eagle", ["is an EAGLE-3 drafter", "use --draft eagle"]),
-    ("dflash", "default", ["is a language model", "use --draft model"]),
-])
+@pytest.mark.parametrize(
+    "method, shipped, fragments",
+    [
+        ("eagle", "dflash", ["is a DFlash drafter", "use --draft dflash or --draft ddtree"]),
+        ("model", "eagle", ["is an EAGLE-3 drafter", "use --draft eagle"]),
+        ("dflash", "default", ["is a language model", "use --draft model"]),
+    ],
+)
 def test_a_checkpoint_of_another_kind_is_named(method, shipped, fragments):
     from mlx_spec.convert.default import default_model_path
     from mlx_spec.models.default import shipped_drafter
@@ -344,12 +391,29 @@ def test_every_option_and_command_is_explained():
 def test_help_lists_the_everyday_options_first(command):
     code, out, _ = cli([command, "--help"])
     assert code == 0
-    where = {option: out.index(option + " ") for option in ("--model", "--draft", "--max-tokens", "--temp",
-                                                            "--num-draft-tokens", "--kv-bits", "--sharding")}
+    where = {
+        option: out.index(option + " ")
+        for option in (
+            "--model",
+            "--draft",
+            "--max-tokens",
+            "--temp",
+            "--num-draft-tokens",
+            "--kv-bits",
+            "--sharding",
+        )
+    }
     headings = [out.index(heading + ":\n") for heading in ("Options", "Drafting", "Sampling", "KV cache")]
     assert headings == sorted(headings)
-    assert max(where["--model"], where["--draft"], where["--max-tokens"]) < headings[1] < where["--num-draft-tokens"]
-    assert headings[2] < where["--temp"] < headings[3] < where["--kv-bits"] and where["--kv-bits"] > where["--temp"]
+    assert (
+        max(where["--model"], where["--draft"], where["--max-tokens"])
+        < headings[1]
+        < where["--num-draft-tokens"]
+    )
+    assert (
+        headings[2] < where["--temp"] < headings[3] < where["--kv-bits"]
+        and where["--kv-bits"] > where["--temp"]
+    )
     assert where["--sharding"] > headings[2]
 
 
@@ -360,16 +424,42 @@ def test_bench_takes_every_engine_option_generate_takes_with_the_same_defaults()
     from mlx_spec.cli import main
 
     def options(command):
-        return {p.name: (p.opts, p.default) for p in main.commands[command].params if isinstance(p, click.Option)}
+        return {
+            p.name: (p.opts, p.default) for p in main.commands[command].params if isinstance(p, click.Option)
+        }
 
     generate, bench = options("generate"), options("bench")
-    for name in ("temp", "top_p", "top_k", "min_p", "seed", "ngram_max", "suffix_memory", "kv_bits", "sharding",
-                 "num_draft_tokens", "adaptive", "residual_sampling", "dtype", "revision", "path_or_hf_repo"):
+    for name in (
+        "temp",
+        "top_p",
+        "top_k",
+        "min_p",
+        "seed",
+        "ngram_max",
+        "suffix_memory",
+        "kv_bits",
+        "sharding",
+        "num_draft_tokens",
+        "adaptive",
+        "residual_sampling",
+        "dtype",
+        "revision",
+        "path_or_hf_repo",
+    ):
         assert bench[name] == generate[name], name
-    engine_options = set(generate) - {"prompt_opt", "max_tokens", "system", "no_chat_template", "as_json",
-                                      "prompt_cache_file", "help"}
+    engine_options = set(generate) - {
+        "prompt_opt",
+        "max_tokens",
+        "system",
+        "no_chat_template",
+        "as_json",
+        "prompt_cache_file",
+        "help",
+    }
     # bench's --methods; its --draft-model takes METHOD=PATH (its destination is draft_models)
-    assert engine_options - set(bench) == {"draft", "draft_model"} and bench["draft_models"][0] == ["--draft-model"]
+    assert engine_options - set(bench) == {"draft", "draft_model"} and bench["draft_models"][0] == [
+        "--draft-model"
+    ]
     assert engine_options - set(options("serve")) == set() and engine_options - set(options("chat")) == set()
 
 

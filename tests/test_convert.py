@@ -29,8 +29,20 @@ def test_round_trip_gives_mlx_lms_tokens(source, tmp_path):
     info = json.loads((tmp_path / "out" / "mlx_spec_conversion.json").read_text())
     assert info["source"] == str(source.resolve()) and info["format"] == "huggingface"
     # Quantized: mlx-lm loads it, with the bits asked for.
-    code, _, err = cli(["convert", "--hf-path", str(source), "--mlx-path", str(tmp_path / "q8"), "-q",
-                        "--q-bits", "8", "--q-group-size", "32"])
+    code, _, err = cli(
+        [
+            "convert",
+            "--hf-path",
+            str(source),
+            "--mlx-path",
+            str(tmp_path / "q8"),
+            "-q",
+            "--q-bits",
+            "8",
+            "--q-group-size",
+            "32",
+        ]
+    )
     assert code == 0, err
     config = json.loads((tmp_path / "q8" / "config.json").read_text())
     assert config["quantization"]["bits"] == 8 and config["quantization"]["group_size"] == 32
@@ -38,8 +50,18 @@ def test_round_trip_gives_mlx_lms_tokens(source, tmp_path):
     # An existing output is kept unless --overwrite.
     code, _, err = cli(["convert", "--hf-path", str(source), "--mlx-path", str(tmp_path / "out")])
     assert_one_line_error(code, err, "not empty", "--overwrite")
-    code, _, err = cli(["convert", "--hf-path", str(source), "--mlx-path", str(tmp_path / "out"), "--overwrite",
-                        "--dtype", "float16"])
+    code, _, err = cli(
+        [
+            "convert",
+            "--hf-path",
+            str(source),
+            "--mlx-path",
+            str(tmp_path / "out"),
+            "--overwrite",
+            "--dtype",
+            "float16",
+        ]
+    )
     assert code == 0, err
     assert json.loads((tmp_path / "out" / "mlx_spec_conversion.json").read_text())["dtype"] == "float16"
 
@@ -51,8 +73,20 @@ def test_a_quantized_source_is_requantized_as_asked(source, tmp_path):
 
     code, _, err = cli(["convert", "--hf-path", str(source), "--mlx-path", str(tmp_path / "q4"), "-q"])
     assert code == 0, err
-    code, _, err = cli(["convert", "--hf-path", str(tmp_path / "q4"), "--mlx-path", str(tmp_path / "q8"), "-q",
-                        "--q-bits", "8", "--q-group-size", "32"])
+    code, _, err = cli(
+        [
+            "convert",
+            "--hf-path",
+            str(tmp_path / "q4"),
+            "--mlx-path",
+            str(tmp_path / "q8"),
+            "-q",
+            "--q-bits",
+            "8",
+            "--q-group-size",
+            "32",
+        ]
+    )
     assert code == 0, err
     config = json.loads((tmp_path / "q8" / "config.json").read_text())
     assert config["quantization"]["bits"] == 8 and config["quantization"]["group_size"] == 32
@@ -60,10 +94,19 @@ def test_a_quantized_source_is_requantized_as_asked(source, tmp_path):
     assert info["quantization"] == {"bits": 8, "group_size": 32} and info["dequantized_from"]["bits"] == 4
     weights = mx.load(str(tmp_path / "q8" / "model.safetensors"))
     q_proj = weights["model.layers.0.self_attn.q_proj.weight"]
-    assert q_proj.dtype == mx.uint32 and q_proj.shape[-1] * 32 // 8 == config["hidden_size"]   # 8-bit packing
+    assert q_proj.dtype == mx.uint32 and q_proj.shape[-1] * 32 // 8 == config["hidden_size"]  # 8-bit packing
     assert greedy(tmp_path / "q8")
-    code, _, err = cli(["convert", "--hf-path", str(tmp_path / "q4"), "--mlx-path", str(tmp_path / "f16"),
-                        "--dtype", "float16"])
+    code, _, err = cli(
+        [
+            "convert",
+            "--hf-path",
+            str(tmp_path / "q4"),
+            "--mlx-path",
+            str(tmp_path / "f16"),
+            "--dtype",
+            "float16",
+        ]
+    )
     assert code == 0, err
     assert "quantization" not in json.loads((tmp_path / "f16" / "config.json").read_text())
     info = json.loads((tmp_path / "f16" / "mlx_spec_conversion.json").read_text())
@@ -73,7 +116,9 @@ def test_a_quantized_source_is_requantized_as_asked(source, tmp_path):
     # Neither: the source's quantization, kept and recorded.
     code, _, err = cli(["convert", "--hf-path", str(tmp_path / "q4"), "--mlx-path", str(tmp_path / "same")])
     assert code == 0, err
-    assert json.loads((tmp_path / "same" / "mlx_spec_conversion.json").read_text())["quantization"]["bits"] == 4
+    assert (
+        json.loads((tmp_path / "same" / "mlx_spec_conversion.json").read_text())["quantization"]["bits"] == 4
+    )
 
 
 def broken(source, tmp_path, how):
@@ -85,9 +130,16 @@ def broken(source, tmp_path, how):
         (bad / "config.json").write_text(json.dumps(dict(config, model_type="no_such_arch")))
     elif how == "shards":
         weights.rename(bad / "model-00001-of-00002.safetensors")
-        (bad / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
-            "model.embed_tokens.weight": "model-00001-of-00002.safetensors",
-            "lm_head.weight": "model-00002-of-00002.safetensors"}}))
+        (bad / "model.safetensors.index.json").write_text(
+            json.dumps(
+                {
+                    "weight_map": {
+                        "model.embed_tokens.weight": "model-00001-of-00002.safetensors",
+                        "lm_head.weight": "model-00002-of-00002.safetensors",
+                    }
+                }
+            )
+        )
     elif how == "truncated":
         weights.write_bytes(weights.read_bytes()[:-1000])
     elif how == "pickled":
@@ -96,25 +148,32 @@ def broken(source, tmp_path, how):
     return bad
 
 
-@pytest.mark.parametrize("how, fragments", [
-    ("architecture", ["no_such_arch", "mlx-lm has no port"]),
-    ("shards", ["lacks 1 of the 2 shards", "model-00002-of-00002.safetensors"]),
-    ("truncated", ["is truncated"]),
-    ("pickled", ["pickled weights only"]),
-])
+@pytest.mark.parametrize(
+    "how, fragments",
+    [
+        ("architecture", ["no_such_arch", "mlx-lm has no port"]),
+        ("shards", ["lacks 1 of the 2 shards", "model-00002-of-00002.safetensors"]),
+        ("truncated", ["is truncated"]),
+        ("pickled", ["pickled weights only"]),
+    ],
+)
 def test_bad_checkpoints_are_one_line(source, tmp_path, how, fragments):
-    code, _, err = cli(["convert", "--hf-path", str(broken(source, tmp_path, how)), "--mlx-path",
-                        str(tmp_path / "out")])
+    code, _, err = cli(
+        ["convert", "--hf-path", str(broken(source, tmp_path, how)), "--mlx-path", str(tmp_path / "out")]
+    )
     assert_one_line_error(code, err, *fragments)
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("args, fragment", [
-    (["--mlx-path", "{tmp}/o"], "give one source"),
-    (["--hf-path", "{tmp}", "--gguf", "{tmp}/x.gguf", "--mlx-path", "{tmp}/o"], "give one source"),
-    (["--gguf", "{tmp}/x.gguf", "--mlx-path", "{tmp}/o", "-q"], "x.gguf"),
-    (["--hf-path", "{tmp}/missing", "--mlx-path", "{tmp}/o"], "not found"),
-])
+@pytest.mark.parametrize(
+    "args, fragment",
+    [
+        (["--mlx-path", "{tmp}/o"], "give one source"),
+        (["--hf-path", "{tmp}", "--gguf", "{tmp}/x.gguf", "--mlx-path", "{tmp}/o"], "give one source"),
+        (["--gguf", "{tmp}/x.gguf", "--mlx-path", "{tmp}/o", "-q"], "x.gguf"),
+        (["--hf-path", "{tmp}/missing", "--mlx-path", "{tmp}/o"], "not found"),
+    ],
+)
 def test_bad_arguments_are_one_line(tmp_path, args, fragment):
     code, _, err = cli(["convert", *[a.format(tmp=tmp_path) for a in args]])
     assert_one_line_error(code, err, fragment)
@@ -139,14 +198,18 @@ def drafts_of(drafter_dir, method, prompt="Count from one to ten.", n=24):
 
     drafter.propose = recording
     engine = Engine(target, drafter, num_draft_tokens=4, adaptive=False)
-    prompt = target.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
+    prompt = target.tokenizer.apply_chat_template(
+        [{"role": "user", "content": prompt}], add_generation_prompt=True
+    )
     tokens = Collector.of(engine.generate(prompt, max_tokens=n)).tokens
     return tokens, proposed
 
 
 # dflash and medusa (~45 s each) are `slow`: the conversion path is the same as eagle's.
-@pytest.mark.parametrize("method", ["eagle", pytest.param("dflash", marks=pytest.mark.slow),
-                                    pytest.param("medusa", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "method",
+    ["eagle", pytest.param("dflash", marks=pytest.mark.slow), pytest.param("medusa", marks=pytest.mark.slow)],
+)
 def test_drafter_conversion(method, tmp_path):
     """A converted float drafter drafts exactly what the original does; an 8-bit one loads with
     quantized layers and leaves the output the target's (its agreement with the float drafts on
@@ -158,10 +221,12 @@ def test_drafter_conversion(method, tmp_path):
     assert code == 0, err
     tokens, drafts = drafts_of(shipped, method)
     assert drafts_of(tmp_path / "same", method) == (tokens, drafts)
-    code, _, err = cli(["convert", "--drafter", str(shipped), "--mlx-path", str(tmp_path / "q8"), "-q",
-                        "--q-bits", "8"])
+    code, _, err = cli(
+        ["convert", "--drafter", str(shipped), "--mlx-path", str(tmp_path / "q8"), "-q", "--q-bits", "8"]
+    )
     assert code == 0, err
     assert json.loads((tmp_path / "q8" / "config.json").read_text())["quantization"]["bits"] == 8
+
     def size(path):
         return sum(f.stat().st_size for f in path.glob("*.safetensors"))
 
@@ -175,8 +240,17 @@ def test_bad_drafters_are_one_line(source, tmp_path):
     code, _, err = cli(["convert", "--drafter", str(source), "--mlx-path", str(tmp_path / "a")])
     assert_one_line_error(code, err, "holds a language model", "--hf-path")
     # Made for another target: the tiny model has 2 layers, the drafter fuses layer 15.
-    code, _, err = cli(["convert", "--drafter", str(SHIPPED_DRAFTERS / "eagle"), "--model", str(source),
-                        "--mlx-path", str(tmp_path / "b")])
+    code, _, err = cli(
+        [
+            "convert",
+            "--drafter",
+            str(SHIPPED_DRAFTERS / "eagle"),
+            "--model",
+            str(source),
+            "--mlx-path",
+            str(tmp_path / "b"),
+        ]
+    )
     assert_one_line_error(code, err, str(SHIPPED_DRAFTERS / "eagle"), "outside this target's 2 layers")
     unknown = tmp_path / "unknown"
     unknown.mkdir()

@@ -40,14 +40,18 @@ def brute_force_best(marginals, budget):
 @pytest.mark.parametrize("budget", [1, 3, 5])
 def test_the_tree_is_optimal_and_within_budget_and_depth(seed, budget):
     rng = np.random.default_rng(seed)
-    marginals = rng.dirichlet(np.ones(3) * 0.7, size=3)   # 3 positions, 3 tokens each
-    candidates = [sorted(((t, float(np.log(p))) for t, p in enumerate(row)), key=lambda c: -c[1])
-                  for row in marginals]
+    marginals = rng.dirichlet(np.ones(3) * 0.7, size=3)  # 3 positions, 3 tokens each
+    candidates = [
+        sorted(((t, float(np.log(p))) for t, p in enumerate(row)), key=lambda c: -c[1]) for row in marginals
+    ]
     tokens, parents, confidence = best_tree(candidates, budget)
-    tree = Tree(parents)                                   # also checks breadth-first order
+    tree = Tree(parents)  # also checks breadth-first order
     assert len(tokens) == budget and max(tree.depths) <= 3
     assert np.isclose(expected_length(tokens, parents, marginals), brute_force_best(marginals, budget))
-    assert all(np.isclose(c, marginals[tree.depths[i + 1] - 1][t]) for i, (t, c) in enumerate(zip(tokens, confidence)))
+    assert all(
+        np.isclose(c, marginals[tree.depths[i + 1] - 1][t])
+        for i, (t, c) in enumerate(zip(tokens, confidence))
+    )
 
 
 @pytest.mark.parametrize("k", [1, 3, 7])
@@ -56,12 +60,14 @@ def test_greedy_is_token_identical(tmp_path, k, adaptive):
     target = tiny_target("qwen3", num_layers=4)
     expected = plain_greedy(target.model, PROMPT, 40)
     model = random_dflash(tmp_path, target, seed=k)[0]
-    engine = Engine(target, DDTreeDrafter(target, model, budget=12, topk=3), num_draft_tokens=k, adaptive=adaptive)
+    engine = Engine(
+        target, DDTreeDrafter(target, model, budget=12, topk=3), num_draft_tokens=k, adaptive=adaptive
+    )
     tokens, stats = run(engine, PROMPT, 40)
     assert tokens == expected
-    most = min(12, sum(3 ** d for d in range(1, k + 1)))   # budget, or the full tree of depth k
+    most = min(12, sum(3**d for d in range(1, k + 1)))  # budget, or the full tree of depth k
     assert stats.verified_drafts <= stats.steps * most
-    assert adaptive or stats.verified_drafts >= (stats.steps - 3) * min(3, most)   # near the end k shrinks
+    assert adaptive or stats.verified_drafts >= (stats.steps - 3) * min(3, most)  # near the end k shrinks
 
 
 def test_sampled_output_is_exact(tmp_path):
@@ -70,7 +76,12 @@ def test_sampled_output_is_exact(tmp_path):
     model = random_dflash(tmp_path, target, num_layers=1, target_layer_ids=(-1, 0), block_size=4)[0]
     params = SamplingParams(temp=1.0, top_k=10)
     prompt = repeated_prompt()
-    engine = Engine(target, DDTreeDrafter(target, model, budget=6, topk=3), num_draft_tokens=3, sampling=params,
-                    adaptive=False)
+    engine = Engine(
+        target,
+        DDTreeDrafter(target, model, budget=6, topk=3),
+        num_draft_tokens=3,
+        sampling=params,
+        adaptive=False,
+    )
     pvalue = sampling_pvalue(engine, prompt, params)
     assert pvalue > STRICT, f"p = {pvalue:.2e}"

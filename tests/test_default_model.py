@@ -34,23 +34,30 @@ def mlx_lm_tokens(target, prompt, max_tokens):
     from mlx_lm import stream_generate
 
     eos = set(target.eos_token_ids)
-    return [r.token for r in stream_generate(target.model, target.tokenizer, prompt, max_tokens=max_tokens)
-            if r.token not in eos]
+    return [
+        r.token
+        for r in stream_generate(target.model, target.tokenizer, prompt, max_tokens=max_tokens)
+        if r.token not in eos
+    ]
 
 
 def chat_prompt(target, text):
-    return target.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+    return target.tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True
+    )
 
 
 # Two of the ten prompts in the default suite (chat, summarize); the others are `slow` (make
 # test-all): the engine's token identity is tested on every source with tiny models too.
-@pytest.mark.parametrize("item", [pytest.param(s, marks=() if i in (0, 6) else pytest.mark.slow)
-                                  for i, s in enumerate(SUITE)],
-                         ids=[f"{i}-{s['category']}" for i, s in enumerate(SUITE)])
+@pytest.mark.parametrize(
+    "item",
+    [pytest.param(s, marks=() if i in (0, 6) else pytest.mark.slow) for i, s in enumerate(SUITE)],
+    ids=[f"{i}-{s['category']}" for i, s in enumerate(SUITE)],
+)
 def test_lookup_matches_plain_and_mlx_lm(target, item):
     prompt = chat_prompt(target, item["prompt"])
     expected = mlx_lm_tokens(target, prompt, MAX_TOKENS)
-    if SUITE.index(item) % 2 == 0:   # the engine without a drafter: one prompt per category is enough
+    if SUITE.index(item) % 2 == 0:  # the engine without a drafter: one prompt per category is enough
         plain, _ = run(Engine(target), prompt, MAX_TOKENS)
         assert plain == expected
     looked_up, stats = run(Engine(target, LookupDrafter()), prompt, MAX_TOKENS)
@@ -64,8 +71,9 @@ def test_mlx_lm_load_generates_what_mlx_spec_generates():
 
     model, tokenizer = load(str(default_model_path()))
     target = load_target(default_model_path(), "keep")
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Name three colors."}],
-                                           add_generation_prompt=True)
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Name three colors."}], add_generation_prompt=True
+    )
     from mlx_lm import generate
 
     text = generate(model, tokenizer, prompt, max_tokens=40)
@@ -82,7 +90,7 @@ def test_stop_string_inside_a_draft(target):
     engine = Engine(target, LookupDrafter())
     collected = Collector.of(engine.generate(prompt, max_tokens=60, stop_strings=[stop]))
     assert collected.stats.finish_reason == "stop"
-    assert collected.text == text[:text.find(stop)]
+    assert collected.text == text[: text.find(stop)]
 
 
 def test_stats_and_tau(target):
@@ -96,8 +104,12 @@ def test_stats_and_tau(target):
 
 # --- the drafters shipped for the default model -------------------------------------------------
 
-HELDOUT = [json.loads(line) for line in
-           (Path(__file__).resolve().parent.parent / "benchmarks" / "heldout_prompts.jsonl").read_text().splitlines()]
+HELDOUT = [
+    json.loads(line)
+    for line in (Path(__file__).resolve().parent.parent / "benchmarks" / "heldout_prompts.jsonl")
+    .read_text()
+    .splitlines()
+]
 
 
 @pytest.mark.parametrize("method", ["eagle", "dflash", "mtp", "medusa"])
@@ -109,7 +121,7 @@ def test_shipped_drafter_is_used_by_default_and_is_lossless(target, method):
     assert sum(f.stat().st_size for f in path.iterdir()) <= 25 * 2**20
     k = draft_tokens(method)
     drafter = make_drafter(method, target, dict(num_draft_tokens=k))
-    prompt = chat_prompt(target, HELDOUT[2]["prompt"])      # a word problem
+    prompt = chat_prompt(target, HELDOUT[2]["prompt"])  # a word problem
     expected = mlx_lm_tokens(target, prompt, 64)
     tokens, stats = run(Engine(target, drafter, num_draft_tokens=k, adaptive=False), prompt, 64)
     assert tokens == expected
@@ -119,32 +131,56 @@ def test_shipped_drafter_is_used_by_default_and_is_lossless(target, method):
 
 def test_no_shipped_drafter_for_another_model(target, tmp_path):
     with pytest.raises(MlxSpecError, match="needs a drafter: --draft-model PATH"):
-        make_drafter("eagle", Target(target.model, target.tokenizer, target.config, path=str(tmp_path)),
-                     {})
+        make_drafter("eagle", Target(target.model, target.tokenizer, target.config, path=str(tmp_path)), {})
 
 
 # lookup, eagle, dflash and suffix+eagle in the default suite; the others (tests/test_seeded.py
 # checks every source on tiny models) are `slow`.
-@pytest.mark.parametrize("method,options", [
-    ("lookup", {}), pytest.param("model", {}, marks=pytest.mark.slow), ("eagle", {}),
-    pytest.param("eagle", {"tree_budget": 8, "tree_topk": 3}, marks=pytest.mark.slow),
-    ("dflash", {}), pytest.param("ddtree", {}, marks=pytest.mark.slow), pytest.param("mtp", {}, marks=pytest.mark.slow),
-    pytest.param("medusa", {}, marks=pytest.mark.slow),
-    pytest.param("medusa", {"tree_budget": 8, "tree_topk": 3}, marks=pytest.mark.slow),
-    pytest.param("layerskip", {"exit_layer": 20}, marks=pytest.mark.slow),
-    pytest.param("suffix", {"suffix_memory": "off"}, marks=pytest.mark.slow), ("suffix+eagle", {"suffix_memory": "off"})],
-    ids=["lookup", "model", "eagle", "eagle-tree", "dflash", "ddtree", "mtp", "medusa", "medusa-tree", "layerskip",
-         "suffix", "suffix+eagle"])
+@pytest.mark.parametrize(
+    "method,options",
+    [
+        ("lookup", {}),
+        pytest.param("model", {}, marks=pytest.mark.slow),
+        ("eagle", {}),
+        pytest.param("eagle", {"tree_budget": 8, "tree_topk": 3}, marks=pytest.mark.slow),
+        ("dflash", {}),
+        pytest.param("ddtree", {}, marks=pytest.mark.slow),
+        pytest.param("mtp", {}, marks=pytest.mark.slow),
+        pytest.param("medusa", {}, marks=pytest.mark.slow),
+        pytest.param("medusa", {"tree_budget": 8, "tree_topk": 3}, marks=pytest.mark.slow),
+        pytest.param("layerskip", {"exit_layer": 20}, marks=pytest.mark.slow),
+        pytest.param("suffix", {"suffix_memory": "off"}, marks=pytest.mark.slow),
+        ("suffix+eagle", {"suffix_memory": "off"}),
+    ],
+    ids=[
+        "lookup",
+        "model",
+        "eagle",
+        "eagle-tree",
+        "dflash",
+        "ddtree",
+        "mtp",
+        "medusa",
+        "medusa-tree",
+        "layerskip",
+        "suffix",
+        "suffix+eagle",
+    ],
+)
 def test_seed_reproduces_sampled_text_whatever_the_source(target, method, options):
     """--seed S prints what --draft none --seed S prints, with one draft per step and with many."""
     params = SamplingParams(temp=0.8, top_p=0.9, top_k=50)
     prompt = chat_prompt(target, HELDOUT[0]["prompt"])
     plain, _ = run(Engine(target, sampling=params, seed=7), prompt, 32)
     for k in (1, 8):
-        drafter = make_drafter(method, target, dict(options, draft_model=str(default_model_path())
-                                                    if method == "model" else None))
-        tokens, stats = run(Engine(target, drafter, num_draft_tokens=k, sampling=params, seed=7, adaptive=False),
-                            prompt, 32)
+        drafter = make_drafter(
+            method,
+            target,
+            dict(options, draft_model=str(default_model_path()) if method == "model" else None),
+        )
+        tokens, stats = run(
+            Engine(target, drafter, num_draft_tokens=k, sampling=params, seed=7, adaptive=False), prompt, 32
+        )
         assert tokens == plain, (method, k)
         assert stats.verified_drafts > 0
     mx.clear_cache()
@@ -179,11 +215,15 @@ def test_the_default_model_is_recognised_by_what_it_is(target, tmp_path):
     vocab["hello-token"] = vocab.pop(next(iter(vocab)))
     (other_vocabulary / "tokenizer.json").write_text(json.dumps(tokenizer))
     assert not is_default_model(other_vocabulary)
-    assert not is_default_model(tmp_path)   # no config at all
-    with pytest.raises(MlxSpecError, match=r"--draft-model PATH \(Python: draft_model=PATH\).*default model "
-                                           f"SmolLM2-135M-Instruct only: {SHIPPED_DRAFTERS / 'eagle'}"):
-        make_drafter("eagle", Target(target.model, target.tokenizer, target.config, path=str(other_vocabulary)),
-                     {})
+    assert not is_default_model(tmp_path)  # no config at all
+    with pytest.raises(
+        MlxSpecError,
+        match=r"--draft-model PATH \(Python: draft_model=PATH\).*default model "
+        f"SmolLM2-135M-Instruct only: {SHIPPED_DRAFTERS / 'eagle'}",
+    ):
+        make_drafter(
+            "eagle", Target(target.model, target.tokenizer, target.config, path=str(other_vocabulary)), {}
+        )
 
 
 def test_the_default_model_by_hub_id_drafts_with_the_shipped_drafter(tmp_path):
@@ -196,16 +236,33 @@ def test_the_default_model_by_hub_id_drafts_with_the_shipped_drafter(tmp_path):
     from test_hub import hub_cache
 
     files = default_copy(tmp_path / "files")
-    config = json.loads((default_model_path() / "config.json").read_text())   # the weights are the 4-bit ones
+    config = json.loads((default_model_path() / "config.json").read_text())  # the weights are the 4-bit ones
     config.update(json.loads((files / "config.json").read_text()))
     (files / "config.json").write_text(json.dumps(config))
     (files / "model.safetensors").symlink_to(default_model_path() / "model.safetensors")
     cache = hub_cache(tmp_path / "cache", "HuggingFaceTB/SmolLM2-135M-Instruct", files)
     env = dict(os.environ, HF_HUB_CACHE=str(cache), HF_HUB_OFFLINE="1")
-    result = subprocess.run([sys.executable, "-m", "mlx_spec.cli", "generate", "What is 7 times 8?", "-m", "16",
-                             "--json", "--draft", "eagle", "--fixed",
-                             "--model", "HuggingFaceTB/SmolLM2-135M-Instruct"],
-                            capture_output=True, text=True, timeout=300, env=env)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mlx_spec.cli",
+            "generate",
+            "What is 7 times 8?",
+            "-m",
+            "16",
+            "--json",
+            "--draft",
+            "eagle",
+            "--fixed",
+            "--model",
+            "HuggingFaceTB/SmolLM2-135M-Instruct",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["stats"]["accepted_drafts"] > 0
 
@@ -223,12 +280,19 @@ def test_logprobs_with_eagles_accepted_drafts_equal_mlx_lms(target, temp):
     params = SamplingParams(temp=temp)
     prompt = chat_prompt(target, HELDOUT[2]["prompt"])
     sampler = None if temp == 0 else seeded_sampler(Sampler(params, 9), len(prompt))
-    reference = [(int(t), lp) for t, lp in generate_step(mx.array(prompt), target.model, max_tokens=24,
-                                                         sampler=sampler)]
-    engine = Engine(target, make_drafter("eagle", target, {}), num_draft_tokens=4, adaptive=False, sampling=params,
-                    seed=9)
-    collected = Collector.of(engine.generate(prompt, max_tokens=24, options=GenerationOptions(logprobs=3, distribution=True)))
-    assert collected.tokens == [t for t, _ in reference[:len(collected.tokens)]] and any(collected.from_draft)
+    reference = [
+        (int(t), lp)
+        for t, lp in generate_step(mx.array(prompt), target.model, max_tokens=24, sampler=sampler)
+    ]
+    engine = Engine(
+        target, make_drafter("eagle", target, {}), num_draft_tokens=4, adaptive=False, sampling=params, seed=9
+    )
+    collected = Collector.of(
+        engine.generate(prompt, max_tokens=24, options=GenerationOptions(logprobs=3, distribution=True))
+    )
+    assert collected.tokens == [t for t, _ in reference[: len(collected.tokens)]] and any(
+        collected.from_draft
+    )
     for (token, logprobs), ours in zip(reference, collected.logprobs):
         logprobs = renormalised(logprobs)
         assert abs(ours.logprob - logprobs[token].item()) < 1e-4

@@ -26,17 +26,36 @@ PROMPT = [1, 5, 7, 9, 11, 13, 2, 5, 7, 9, 11, 13, 2, 5, 7]
 
 # --- a random drafter in z-lab's published format --------------------------------------------
 
-def dflash_config(hidden_size, num_layers=2, heads=4, kv_heads=2, head_dim=None, block_size=8,
-                  mask_token_id=0, target_layer_ids=(0, 1), **extra):
+
+def dflash_config(
+    hidden_size,
+    num_layers=2,
+    heads=4,
+    kv_heads=2,
+    head_dim=None,
+    block_size=8,
+    mask_token_id=0,
+    target_layer_ids=(0, 1),
+    **extra,
+):
     dflash = {"mask_token_id": mask_token_id}
     if target_layer_ids is not None:
         dflash["target_layer_ids"] = list(target_layer_ids)
-    config = {"architectures": ["DFlashDraftModel"], "model_type": "qwen3",
-              "hidden_size": hidden_size, "num_hidden_layers": num_layers,
-              "num_attention_heads": heads, "num_key_value_heads": kv_heads,
-              "head_dim": head_dim or hidden_size // heads, "intermediate_size": 2 * hidden_size,
-              "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 4096,
-              "block_size": block_size, "dflash_config": dflash}
+    config = {
+        "architectures": ["DFlashDraftModel"],
+        "model_type": "qwen3",
+        "hidden_size": hidden_size,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim or hidden_size // heads,
+        "intermediate_size": 2 * hidden_size,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "max_position_embeddings": 4096,
+        "block_size": block_size,
+        "dflash_config": dflash,
+    }
     config.update(extra)
     return config
 
@@ -56,32 +75,45 @@ def random_weights(config, num_features, seed=0):
     w = {"fc.weight": linear(H, num_features * H), "hidden_norm.weight": norm(H), "norm.weight": norm(H)}
     for i in range(config["num_hidden_layers"]):
         p = f"layers.{i}."
-        w.update({p + "self_attn.q_proj.weight": linear(nq, H), p + "self_attn.k_proj.weight": linear(nkv, H),
-                  p + "self_attn.v_proj.weight": linear(nkv, H), p + "self_attn.o_proj.weight": linear(H, nq),
-                  p + "self_attn.q_norm.weight": norm(hd), p + "self_attn.k_norm.weight": norm(hd),
-                  p + "mlp.gate_proj.weight": linear(I, H), p + "mlp.up_proj.weight": linear(I, H),
-                  p + "mlp.down_proj.weight": linear(H, I),
-                  p + "input_layernorm.weight": norm(H), p + "post_attention_layernorm.weight": norm(H)})
+        w.update(
+            {
+                p + "self_attn.q_proj.weight": linear(nq, H),
+                p + "self_attn.k_proj.weight": linear(nkv, H),
+                p + "self_attn.v_proj.weight": linear(nkv, H),
+                p + "self_attn.o_proj.weight": linear(H, nq),
+                p + "self_attn.q_norm.weight": norm(hd),
+                p + "self_attn.k_norm.weight": norm(hd),
+                p + "mlp.gate_proj.weight": linear(I, H),
+                p + "mlp.up_proj.weight": linear(I, H),
+                p + "mlp.down_proj.weight": linear(H, I),
+                p + "input_layernorm.weight": norm(H),
+                p + "post_attention_layernorm.weight": norm(H),
+            }
+        )
     return w
 
 
 def write_dflash(path, config, weights, prefix="", dtype=mx.float32):
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(config))
-    mx.save_safetensors(str(path / "model.safetensors"),
-                        {prefix + k: mx.array(v).astype(dtype) for k, v in weights.items()})
+    mx.save_safetensors(
+        str(path / "model.safetensors"), {prefix + k: mx.array(v).astype(dtype) for k, v in weights.items()}
+    )
     return path
 
 
 def random_dflash(tmp_path, target, seed=0, hidden_size=None, **config_args):
     config = dflash_config(hidden_size or target.hidden_size, **config_args)
-    num_features = len(config["dflash_config"].get("target_layer_ids")
-                       or spread_layer_ids(target.num_layers, config["num_hidden_layers"]))
+    num_features = len(
+        config["dflash_config"].get("target_layer_ids")
+        or spread_layer_ids(target.num_layers, config["num_hidden_layers"])
+    )
     weights = random_weights(config, num_features, seed)
     return load_dflash(write_dflash(tmp_path / f"dflash-{seed}", config, weights), target), config, weights
 
 
 # --- the naive reference: explicit concatenation, softmax attention, no cache ------------------
+
 
 def rms_norm(x, weight, eps):
     return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * weight
@@ -109,10 +141,15 @@ def naive_hidden(w, config, features, block_embeddings):
     for i, kind in enumerate(layer_types):
         p = f"layers.{i}."
         x = rms_norm(h, w[p + "input_layernorm.weight"], eps)
-        q = rms_norm((x @ w[p + "self_attn.q_proj.weight"].T).reshape(B, nh, hd), w[p + "self_attn.q_norm.weight"], eps)
-        both = np.concatenate([context, x])        # the context's and the block's K/V inputs
-        k = rms_norm((both @ w[p + "self_attn.k_proj.weight"].T).reshape(L + B, nkv, hd),
-                     w[p + "self_attn.k_norm.weight"], eps)
+        q = rms_norm(
+            (x @ w[p + "self_attn.q_proj.weight"].T).reshape(B, nh, hd), w[p + "self_attn.q_norm.weight"], eps
+        )
+        both = np.concatenate([context, x])  # the context's and the block's K/V inputs
+        k = rms_norm(
+            (both @ w[p + "self_attn.k_proj.weight"].T).reshape(L + B, nkv, hd),
+            w[p + "self_attn.k_norm.weight"],
+            eps,
+        )
         v = (both @ w[p + "self_attn.v_proj.weight"].T).reshape(L + B, nkv, hd)
         q, k = rope(q, q_pos, theta), rope(k, k_pos, theta)
         if kind == "sliding_attention":
@@ -139,8 +176,13 @@ def qwen3():
 def test_block_logits_equal_naive_computation(tmp_path, qwen3):
     target = qwen3
     model, config, w = random_dflash(
-        tmp_path, target, num_layers=3, target_layer_ids=(0, 2, 3),
-        layer_types=["full_attention", "sliding_attention", "full_attention"], sliding_window=6)
+        tmp_path,
+        target,
+        num_layers=3,
+        target_layer_ids=(0, 2, 3),
+        layer_types=["full_attention", "sliding_attention", "full_attention"],
+        sliding_window=6,
+    )
     w = {k: v.astype(np.float64) for k, v in w.items()}
     rng = np.random.default_rng(1)
     block = mx.array([[7] + [model.args.mask_token_id] * (model.args.block_size - 1)])
@@ -170,8 +212,9 @@ def test_published_variants_load_alike(tmp_path, qwen3):
     config = dflash_config(qwen3.hidden_size, target_layer_ids=None)
     weights = random_weights(config, 2)
     plain = load_dflash(write_dflash(tmp_path / "plain", config, weights, dtype=mx.bfloat16), qwen3)
-    nested = load_dflash(write_dflash(tmp_path / "nested", config, weights, prefix="model.",
-                                      dtype=mx.bfloat16), qwen3)
+    nested = load_dflash(
+        write_dflash(tmp_path / "nested", config, weights, prefix="model.", dtype=mx.bfloat16), qwen3
+    )
     assert plain.args.target_layer_ids == nested.args.target_layer_ids == spread_layer_ids(4, 2) == [1, 1]
     assert plain.fc.weight.dtype == mx.float32
     assert mx.array_equal(plain.fc.weight, nested.fc.weight).item()
@@ -187,7 +230,7 @@ class Recorder(DFlashDrafter):
 
     def __init__(self, *args):
         super().__init__(*args)
-        self.records = []               # kept across the generations of a session
+        self.records = []  # kept across the generations of a session
 
     def prefill(self, context, taps, start):
         super().prefill(context, taps, start)
@@ -197,8 +240,12 @@ class Recorder(DFlashDrafter):
         draft = super().propose(k)
         if len(draft):
             # The head of the last proposal's graph, recomputed from the same cache.
-            hidden = self.model(self.target.embed(mx.array([[self.last_token] + [self.mask_token_id] *
-                                                            (self.block_size - 1)])), self.cache)
+            hidden = self.model(
+                self.target.embed(
+                    mx.array([[self.last_token] + [self.mask_token_id] * (self.block_size - 1)])
+                ),
+                self.cache,
+            )
             self.records.append((list(self.tokens), self.target.lm_head(hidden[0, 1:])))
             mx.eval(self.records[-1][1])
         return draft
@@ -220,11 +267,11 @@ def test_context_is_the_targets_features_of_every_committed_token(tmp_path, qwen
     drafter = Recorder(target, model)
     engine = Engine(target, drafter, num_draft_tokens=3, sampling=params, seed=2, adaptive=False)
     first, _ = run(engine, PROMPT, 24)
-    run(engine, PROMPT + first + [4, 4, 2], 12)   # a session: the whole cache is reused
-    run(engine, PROMPT[:6] + [4, 4, 2], 12)       # a prompt that diverges: rolled back
-    engine.num_draft_tokens = 0                   # plain steps: the features wait, uncached
+    run(engine, PROMPT + first + [4, 4, 2], 12)  # a session: the whole cache is reused
+    run(engine, PROMPT[:6] + [4, 4, 2], 12)  # a prompt that diverges: rolled back
+    engine.num_draft_tokens = 0  # plain steps: the features wait, uncached
     run(engine, PROMPT[:7] + [2, 4, 4, 9], 12)
-    engine.num_draft_tokens = 3                   # diverges inside the prompt's waiting features
+    engine.num_draft_tokens = 3  # diverges inside the prompt's waiting features
     records = len(drafter.records)
     run(engine, PROMPT[:7] + [2, 4, 7], 12)
     assert len(drafter.records) > records and drafter.most_accepted >= 2
@@ -256,11 +303,22 @@ def test_greedy_on_the_default_model(tmp_path):
 
     target = load_target(default_model_path(), "float32")
     prompt = target.tokenizer.apply_chat_template(
-        [{"role": "user", "content": "Write a short story about a robot who learns to paint."}], add_generation_prompt=True)
+        [{"role": "user", "content": "Write a short story about a robot who learns to paint."}],
+        add_generation_prompt=True,
+    )
     # Five layers at the default model's width and head shape, taps spread over its 30 layers.
-    model, _, _ = random_dflash(tmp_path, target, num_layers=5, heads=9, kv_heads=3, head_dim=64,
-                                block_size=16, mask_token_id=2, target_layer_ids=None)
-    assert model.args.target_layer_ids == [1, 8, 14, 20, 27]   # round half to even, as z-lab
+    model, _, _ = random_dflash(
+        tmp_path,
+        target,
+        num_layers=5,
+        heads=9,
+        kv_heads=3,
+        head_dim=64,
+        block_size=16,
+        mask_token_id=2,
+        target_layer_ids=None,
+    )
+    assert model.args.target_layer_ids == [1, 8, 14, 20, 27]  # round half to even, as z-lab
     engine = Engine(target, DFlashDrafter(target, model), num_draft_tokens=15, adaptive=False)
     tokens, stats = run(engine, prompt, 48)
     assert tokens == plain_greedy(target.model, prompt, 48)
@@ -271,7 +329,7 @@ def test_sampled_output_is_exact(tmp_path):
     # The exactness harness's target: 16 tokens, one narrow layer; taps: embedding and layer 0.
     target = tiny_target("llama", vocab_size=VOCAB, seed=11, scale=2.5, num_layers=1, hidden_size=32)
     model, _, _ = random_dflash(tmp_path, target, num_layers=1, target_layer_ids=(-1, 0), block_size=4)
-    params = SamplingParams(temp=1.0, top_k=10)   # q is filtered as p is
+    params = SamplingParams(temp=1.0, top_k=10)  # q is filtered as p is
     prompt = repeated_prompt()
     engine = Engine(target, DFlashDrafter(target, model), num_draft_tokens=3, sampling=params, adaptive=False)
     pvalue = sampling_pvalue(engine, prompt, params)
@@ -280,19 +338,23 @@ def test_sampled_output_is_exact(tmp_path):
 
 # --- mismatches and bad files: one-line errors ---------------------------------------------------
 
+
 def expect_error(match, load):
     with pytest.raises(MlxSpecError, match=match) as info:
         load()
     assert "\n" not in str(info.value)
 
 
-@pytest.mark.parametrize("change, match", [
-    (dict(hidden_size=32, head_dim=8), "hidden size 32 does not match the target's 64"),
-    (dict(target_layer_ids=(0, 4)), "taps target layer 4, but the target has 4 layers"),
-    (dict(mask_token_id=32), "mask token id 32 is outside the target's vocabulary"),
-    (dict(layer_types=["full_attention"]), "has 1 layer_types for 2 layers"),
-    (dict(layer_types=["sliding_attention"] * 2), "sliding_attention layers but no sliding_window"),
-])
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (dict(hidden_size=32, head_dim=8), "hidden size 32 does not match the target's 64"),
+        (dict(target_layer_ids=(0, 4)), "taps target layer 4, but the target has 4 layers"),
+        (dict(mask_token_id=32), "mask token id 32 is outside the target's vocabulary"),
+        (dict(layer_types=["full_attention"]), "has 1 layer_types for 2 layers"),
+        (dict(layer_types=["sliding_attention"] * 2), "sliding_attention layers but no sliding_window"),
+    ],
+)
 def test_mismatched_or_inconsistent_config(tmp_path, qwen3, change, match):
     expect_error(match, lambda: random_dflash(tmp_path, qwen3, **change))
 
@@ -324,4 +386,7 @@ def test_bad_directories(tmp_path, qwen3):
 
 
 def test_factory_needs_a_drafter_path(qwen3):
-    expect_error("needs a drafter: --draft-model PATH", lambda: make_drafter("dflash", qwen3, dict(sampling=SamplingParams())))
+    expect_error(
+        "needs a drafter: --draft-model PATH",
+        lambda: make_drafter("dflash", qwen3, dict(sampling=SamplingParams())),
+    )

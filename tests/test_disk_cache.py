@@ -12,22 +12,29 @@ from mlx_spec.convert.default import default_model_path
 from mlx_spec.models.target import load_target
 from test_server import ServerProcess
 
-SYSTEM = ("You are a careful assistant for a team that keeps a small library of Python tools. Answer in "
-          "plain words, give short examples where they help, and say when you are unsure. The team "
-          "prefers answers that a new member can follow without reading the code first, and it keeps "
-          "its notes in a shared document that everyone edits.")
+SYSTEM = (
+    "You are a careful assistant for a team that keeps a small library of Python tools. Answer in "
+    "plain words, give short examples where they help, and say when you are unsure. The team "
+    "prefers answers that a new member can follow without reading the code first, and it keeps "
+    "its notes in a shared document that everyone edits."
+)
 FIRST = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What is a list in Python?"}]
 MAX_TOKENS = 24
 
 
 def serve(directory, *args) -> ServerProcess:
-    return ServerProcess("--draft", "eagle", "--prompt-cache-dir", str(directory), "--max-tokens", str(MAX_TOKENS),
-                         *args)
+    return ServerProcess(
+        "--draft", "eagle", "--prompt-cache-dir", str(directory), "--max-tokens", str(MAX_TOKENS), *args
+    )
 
 
 def chat(server, messages):
     reply = server.client().chat.completions.create(model="default", messages=messages, max_tokens=MAX_TOKENS)
-    return reply.choices[0].message.content, reply.usage.prompt_tokens, reply.usage.prompt_tokens_details.cached_tokens
+    return (
+        reply.choices[0].message.content,
+        reply.usage.prompt_tokens,
+        reply.usage.prompt_tokens_details.cached_tokens,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -41,6 +48,7 @@ def reference():
     def reply(messages):
         prompt = target.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
         return generate(target.model, target.tokenizer, prompt, max_tokens=MAX_TOKENS), len(prompt)
+
     return reply
 
 
@@ -54,11 +62,11 @@ def test_a_restart_continues_the_conversation_from_disk(tmp_path, reference):
     try:
         text, _, cached = chat(server, FIRST)
         assert text == first and cached == 0
-        assert server.http("GET", "/health")[1]["prompt_cache"]["disk"]["entries"] == 0   # nothing evicted yet
+        assert server.http("GET", "/health")[1]["prompt_cache"]["disk"]["entries"] == 0  # nothing evicted yet
     finally:
         assert server.stop() == 0
-    assert len(entries(tmp_path)) == 1                                                     # written at shutdown
-    assert not [p for p in tmp_path.rglob(".*") if p.name != ".lock"]                      # no temporary file left
+    assert len(entries(tmp_path)) == 1  # written at shutdown
+    assert not [p for p in tmp_path.rglob(".*") if p.name != ".lock"]  # no temporary file left
     second = FIRST + [{"role": "assistant", "content": first}, {"role": "user", "content": "And a tuple?"}]
     expected, n_second = reference(second)
     server = serve(tmp_path)
@@ -67,7 +75,7 @@ def test_a_restart_continues_the_conversation_from_disk(tmp_path, reference):
     finally:
         server.stop()
     assert text == expected and prompt_tokens == n_second
-    assert n_first - 1 <= cached < n_second   # the first turn's prompt at least (its last token is recomputed)
+    assert n_first - 1 <= cached < n_second  # the first turn's prompt at least (its last token is recomputed)
 
 
 def test_memory_evicts_to_disk_and_bad_entries_are_passed_over(tmp_path, reference):
@@ -77,7 +85,7 @@ def test_memory_evicts_to_disk_and_bad_entries_are_passed_over(tmp_path, referen
     server = serve(tmp_path, "--prompt-cache-size", "0", "--max-batch", "1")
     try:
         chat(server, FIRST)
-        chat(server, other)   # FIRST's conversation leaves memory: to disk
+        chat(server, other)  # FIRST's conversation leaves memory: to disk
         assert server.http("GET", "/health")[1]["prompt_cache"]["disk"]["entries"] == 1
     finally:
         server.stop()
@@ -100,10 +108,12 @@ def test_memory_evicts_to_disk_and_bad_entries_are_passed_over(tmp_path, referen
 
 def test_two_servers_share_one_directory(tmp_path, reference):
     # long enough apart that the second is worth reading from disk with the first in memory
-    questions = ["What is a set? " + "Explain how adding, removing and testing membership work, and when a set "
-                 "is a better choice than a list for a program that checks many values.",
-                 "What is a dict? " + "Explain how keys map to values, what may be a key, how to loop over "
-                 "the items in order, what happens when a key is missing, and how to merge two of them."]
+    questions = [
+        "What is a set? " + "Explain how adding, removing and testing membership work, and when a set "
+        "is a better choice than a list for a program that checks many values.",
+        "What is a dict? " + "Explain how keys map to values, what may be a key, how to loop over "
+        "the items in order, what happens when a key is missing, and how to merge two of them.",
+    ]
     servers = [serve(tmp_path), serve(tmp_path)]
     try:
         for server, question in zip(servers, questions):

@@ -40,10 +40,19 @@ class Ranks:
         self.procs = []
         for rank in (1, 0):
             # PYTHONFAULTHANDLER: a rank that crashes shows where (in the failing test's message)
-            env = dict(os.environ, MLX_RANK=str(rank), MLX_HOSTFILE=str(hostfile), HF_HUB_OFFLINE="1",
-                       PYTHONFAULTHANDLER="1")
-            self.procs.insert(0, subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE,
-                                                  stderr=subprocess.PIPE, text=True))
+            env = dict(
+                os.environ,
+                MLX_RANK=str(rank),
+                MLX_HOSTFILE=str(hostfile),
+                HF_HUB_OFFLINE="1",
+                PYTHONFAULTHANDLER="1",
+            )
+            self.procs.insert(
+                0,
+                subprocess.Popen(
+                    command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+                ),
+            )
 
     def __enter__(self):
         return self
@@ -72,7 +81,9 @@ def test_split_target_decodes_exactly(arch, sharding, tmp_path):
     from mlx_spec.sampling import SamplingParams
 
     out = tmp_path / "out.json"
-    with Ranks([sys.executable, "distributed_driver.py", arch, sharding, str(out), str(tmp_path)], tmp_path) as ranks:
+    with Ranks(
+        [sys.executable, "distributed_driver.py", arch, sharding, str(out), str(tmp_path)], tmp_path
+    ) as ranks:
         rc, _, err = ranks.wait()
     assert rc == 0, err[-2000:]
     result = json.loads(out.read_text())
@@ -81,17 +92,23 @@ def test_split_target_decodes_exactly(arch, sharding, tmp_path):
     alone = Target(model, None, config)
     expected = plain_greedy(model, driver.PROMPT, driver.TOKENS)
     assert result["mlx_lm"] == expected
-    sampled = run(Engine(alone, seed=driver.SEED), driver.PROMPT, driver.TOKENS,
-                  sampling=SamplingParams(temp=1.0), seed=driver.SEED)[0]
+    sampled = run(
+        Engine(alone, seed=driver.SEED),
+        driver.PROMPT,
+        driver.TOKENS,
+        sampling=SamplingParams(temp=1.0),
+        seed=driver.SEED,
+    )[0]
     split_sources = {"none", "lookup", "draft_model", "eagle", "dflash", "medusa"} | (
-        {"mtp"} if sharding == "pipeline" else set())
+        {"mtp"} if sharding == "pipeline" else set()
+    )
     assert set(result["cases"]) == split_sources
     for name, case in result["cases"].items():
         assert case["first"] == expected, name
         assert case["second"] == plain_greedy(model, case["follow_up"], driver.TOKENS), name
         assert case["sampled"] == sampled, name
         assert name == "none" or case["proposed"] > 0, name
-    if sharding == "tensor":   # --kv-bits (--draft none): mlx-lm's tokens over the split target
+    if sharding == "tensor":  # --kv-bits (--draft none): mlx-lm's tokens over the split target
         assert result["kv_bits"]["mlx_spec"] == result["kv_bits"]["mlx_lm"]
     assert not result["refused"]
     # The feature drafters read the same features as in one process (under pipeline stages,
@@ -101,7 +118,10 @@ def test_split_target_decodes_exactly(arch, sharding, tmp_path):
     from test_windowed import random_feature_models
 
     eagle, dflash = random_feature_models(alone, tmp_path / "alone")
-    for name, drafter in (("eagle", EagleDrafter(eagle, alone.vocab_size)), ("dflash", DFlashDrafter(alone, dflash))):
+    for name, drafter in (
+        ("eagle", EagleDrafter(eagle, alone.vocab_size)),
+        ("dflash", DFlashDrafter(alone, dflash)),
+    ):
         drafter = driver.recording(drafter)
         run(Engine(alone, drafter, num_draft_tokens=4, adaptive=False), driver.PROMPT, driver.TOKENS)
         assert result["cases"][name]["drafts"] == drafter.proposed, name
@@ -131,7 +151,7 @@ def test_cli_generate_over_two_ranks(chat_model, tmp_path):
     assert rc == 0, err[-2000:]
     assert json.loads(out)["tokens"] == json.loads(alone.output)["tokens"]
     assert ranks.procs[1].returncode == 0
-    assert ranks.follower_output == ("", "")   # only rank 0 prints
+    assert ranks.follower_output == ("", "")  # only rank 0 prints
 
 
 @pytest.mark.parametrize("temp", ["0", "1"])
@@ -139,10 +159,29 @@ def test_bench_over_two_ranks(temp, chat_model, tmp_path):
     """`mlx-spec bench --sharding tensor`: mlx-lm's decoding of the split target (on both ranks,
     ordered by rank 0) against each source over it; every output identical to it."""
     prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ["Count to ten", "a b c a b c a b c"]))
+    prompts.write_text(
+        "".join(json.dumps({"prompt": p}) + "\n" for p in ["Count to ten", "a b c a b c a b c"])
+    )
     out = tmp_path / "bench.json"
-    args = cli("bench", "--model", str(chat_model), "--sharding", "tensor", "--methods", "none,lookup",
-               "--prompts", str(prompts), "-m", "24", "--repeats", "1", "--temp", temp, "--json", str(out))
+    args = cli(
+        "bench",
+        "--model",
+        str(chat_model),
+        "--sharding",
+        "tensor",
+        "--methods",
+        "none,lookup",
+        "--prompts",
+        str(prompts),
+        "-m",
+        "24",
+        "--repeats",
+        "1",
+        "--temp",
+        temp,
+        "--json",
+        str(out),
+    )
     with Ranks(args, tmp_path) as ranks:
         rc, stdout, err = ranks.wait()
     assert rc == 0, err[-2000:]
@@ -166,8 +205,21 @@ def test_serve_over_two_ranks(chat_model, tmp_path):
 
     from mlx_spec.cli import main as mlx_spec_cli
 
-    alone = CliRunner().invoke(mlx_spec_cli, ["generate", "--model", str(chat_model), "--json", "-m", "30",
-                                              "--draft", "none", "--no-chat-template", "Count to ten"])
+    alone = CliRunner().invoke(
+        mlx_spec_cli,
+        [
+            "generate",
+            "--model",
+            str(chat_model),
+            "--json",
+            "-m",
+            "30",
+            "--draft",
+            "none",
+            "--no-chat-template",
+            "Count to ten",
+        ],
+    )
     assert alone.exit_code == 0, alone.output
     port = free_ports(1)[0]
     args = cli("serve", "--model", str(chat_model), "--sharding", "tensor", "--port", str(port))
@@ -178,9 +230,10 @@ def test_serve_over_two_ranks(chat_model, tmp_path):
             err += ranks.procs[0].stderr.readline()
         assert "requests run one at a time" in err
         body = json.dumps({"prompt": "Count to ten", "max_tokens": 30, "temperature": 0}).encode()
-        request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body,
-                                         {"Content-Type": "application/json"})
-        for _ in range(2):   # the second reuses the cache on every rank
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{port}/v1/completions", body, {"Content-Type": "application/json"}
+        )
+        for _ in range(2):  # the second reuses the cache on every rank
             reply = json.loads(urllib.request.urlopen(request, timeout=120).read())
             assert reply["choices"][0]["text"] == json.loads(alone.output)["text"]
         ranks.procs[0].send_signal(signal.SIGTERM)
@@ -208,8 +261,21 @@ def test_a_lost_rank_ends_the_run_in_one_line(how, chat_model, tmp_path):
     within the timeout with one line, never a traceback or a hang."""
     # A killed rank breaks the connection at once: only a hung one needs the short timeout.
     timeout = "60" if how == "killed" else "4"
-    args = cli("generate", "--model", str(chat_model), "--draft", "lookup", "--sharding", "tensor",
-               "--rank-timeout", timeout, "-m", "1500", "--no-chat-template", "a b c a b c")
+    args = cli(
+        "generate",
+        "--model",
+        str(chat_model),
+        "--draft",
+        "lookup",
+        "--sharding",
+        "tensor",
+        "--rank-timeout",
+        timeout,
+        "-m",
+        "1500",
+        "--no-chat-template",
+        "a b c a b c",
+    )
     with Ranks(args, tmp_path) as ranks:
         assert started_streaming(ranks)
         os.kill(ranks.procs[1].pid, signal.SIGKILL if how == "killed" else signal.SIGSTOP)
@@ -224,7 +290,9 @@ def test_a_lost_rank_ends_the_run_in_one_line(how, chat_model, tmp_path):
     assert "Traceback" not in err
     ours = [line for line in err.splitlines() if "rank" in line and not line.startswith("[ring]")]
     assert len(ours) == 1, err
-    assert ("a rank stopped or cannot be reached" if how == "killed" else "did not answer within 4 s") in ours[0]
+    assert (
+        "a rank stopped or cannot be reached" if how == "killed" else "did not answer within 4 s"
+    ) in ours[0]
 
 
 def test_refusals_before_the_first_token(tmp_path):
@@ -255,7 +323,7 @@ def test_refusals_before_the_first_token(tmp_path):
 
     target = Target(tiny_model(config), None, config)
     channel = Channel(TwoRanks(), [range(0, 2), range(0, 2)])
-    channel.broken = True   # nothing may be sent: these are refused before any order
+    channel.broken = True  # nothing may be sent: these are refused before any order
     with pytest.raises(MlxSpecError, match="keeps one conversation"):
         SplitEngine(target, None, channel, sessions=True)
     with pytest.raises(MlxSpecError, match="runs the target's own layers"):
@@ -283,16 +351,20 @@ def test_refusals_before_the_first_token(tmp_path):
 
     from mlx_spec.cli import main as mlx_spec_cli
 
-    for flags, line in [(["--sharding", "tensor", "--concurrency", "2"], "drop --concurrency"),
-                        (["--sharding", "tensor", "--residual-sampling"], "drop --concurrency and --residual"),
-                        (["--rank-timeout", "5"], "give --sharding too")]:
+    for flags, line in [
+        (["--sharding", "tensor", "--concurrency", "2"], "drop --concurrency"),
+        (["--sharding", "tensor", "--residual-sampling"], "drop --concurrency and --residual"),
+        (["--rank-timeout", "5"], "give --sharding too"),
+    ]:
         result = CliRunner().invoke(mlx_spec_cli, ["bench", *flags])
         assert result.exit_code == 1 and line in result.output and "Traceback" not in result.output
 
     # A follower checks it holds what rank 0's cache holds.
     from mlx_spec.distributed import Follower
 
-    with pytest.raises(MlxSpecError, match="rank 0 is out of step with rank 0: its cache holds 0 tokens, rank 0's 5"):
+    with pytest.raises(
+        MlxSpecError, match="rank 0 is out of step with rank 0: its cache holds 0 tokens, rank 0's 5"
+    ):
         Follower(target, channel)._in_step(5)
 
     # MLX's ring sends only to neighbours: a drafter tapping rank 2 of 4 pipeline ranks is refused.

@@ -24,8 +24,14 @@ DRAFT_VOCAB = 12
 
 # The layer as both layouts configure it; speculators writes only what differs from
 # LlamaConfig's defaults (here rope_theta, hidden_act and the context length are left out).
-LAYER = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
-             rms_norm_eps=1e-5, num_hidden_layers=1)
+LAYER = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    rms_norm_eps=1e-5,
+    num_hidden_layers=1,
+)
 
 
 def eagle_target(seed=11):
@@ -35,12 +41,19 @@ def eagle_target(seed=11):
 
 def random_eagle(target, seed=0, scale=3.0, **overrides):
     """A random EAGLE-3 for `target`: its own weights, a reduced vocabulary mapped by d2t."""
-    args = ModelArgs(**{**LAYER, "vocab_size": target.vocab_size, "draft_vocab_size": DRAFT_VOCAB,
-                        "aux_layer_ids": default_layer_ids(target.num_layers), **overrides})
+    args = ModelArgs(
+        **{
+            **LAYER,
+            "vocab_size": target.vocab_size,
+            "draft_vocab_size": DRAFT_VOCAB,
+            "aux_layer_ids": default_layer_ids(target.num_layers),
+            **overrides,
+        }
+    )
     mx.random.seed(seed)
     model = Model(args)
     model.update(tree_map(lambda p: p * scale if p.ndim == 2 else p, model.parameters()))
-    targets = np.sort(np.random.default_rng(seed).permutation(target.vocab_size)[:args.draft_vocab_size])
+    targets = np.sort(np.random.default_rng(seed).permutation(target.vocab_size)[: args.draft_vocab_size])
     model.d2t = mx.array(targets - np.arange(args.draft_vocab_size), mx.int32)
     mx.eval(model.parameters())
     return model
@@ -57,18 +70,32 @@ def save_eagle(model, path, layout, config_changes=(), extra_weights=()):
     weights["t2d"] = mx.array(t2d)
     layer = {**LAYER, **{k: getattr(args, k) for k in LAYER}, "vocab_size": args.vocab_size}
     if layout == "safeailab":
-        config = dict(layer, architectures=["LlamaForCausalLMEagle3"], model_type="llama",
-                      hidden_act="silu", rope_theta=10000.0, max_position_embeddings=1024,
-                      draft_vocab_size=args.draft_vocab_size, tie_word_embeddings=False)
+        config = dict(
+            layer,
+            architectures=["LlamaForCausalLMEagle3"],
+            model_type="llama",
+            hidden_act="silu",
+            rope_theta=10000.0,
+            max_position_embeddings=1024,
+            draft_vocab_size=args.draft_vocab_size,
+            tie_word_embeddings=False,
+        )
     else:
         weights = {k.replace("midlayer.", "layers.0."): v for k, v in weights.items()}
-        config = dict(architectures=["Eagle3Speculator"], speculators_model_type="eagle3",
-                      transformer_layer_config=dict(layer, model_type="llama"),
-                      draft_vocab_size=args.draft_vocab_size, norm_before_residual=args.norm_before_residual,
-                      target_hidden_size=None, eagle_aux_hidden_state_layer_ids=args.aux_layer_ids,
-                      speculators_config=dict(algorithm="eagle3", default_proposal_method="greedy",
-                                              proposal_methods=[dict(proposal_type="greedy",
-                                                                     speculative_tokens=5)]))
+        config = dict(
+            architectures=["Eagle3Speculator"],
+            speculators_model_type="eagle3",
+            transformer_layer_config=dict(layer, model_type="llama"),
+            draft_vocab_size=args.draft_vocab_size,
+            norm_before_residual=args.norm_before_residual,
+            target_hidden_size=None,
+            eagle_aux_hidden_state_layer_ids=args.aux_layer_ids,
+            speculators_config=dict(
+                algorithm="eagle3",
+                default_proposal_method="greedy",
+                proposal_methods=[dict(proposal_type="greedy", speculative_tokens=5)],
+            ),
+        )
     config.update(config_changes)
     weights.update(extra_weights)
     path.mkdir(parents=True, exist_ok=True)
@@ -130,8 +157,13 @@ class CheckedDrafter(EagleDrafter):
 def test_taps_follow_the_layer_input_convention(target, checkpoints):
     for path in checkpoints.values():
         assert load_eagle3(path, target).taps == [0, 1, 1]  # inputs of layers 1, 2, 2 of 4
-    args = ModelArgs.from_config({"speculators_model_type": "eagle3", "transformer_layer_config": LAYER,
-                                  "eagle_aux_hidden_state_layer_ids": [23, 1, 44]})
+    args = ModelArgs.from_config(
+        {
+            "speculators_model_type": "eagle3",
+            "transformer_layer_config": LAYER,
+            "eagle_aux_hidden_state_layer_ids": [23, 1, 44],
+        }
+    )
     assert Model(args).taps == [0, 22, 43]  # collected in layer order
     assert args.norm_before_residual and args.draft_vocab_size == 32000 and args.rope_theta == 10000.0
 
@@ -158,20 +190,26 @@ def test_drafts_equal_a_recomputation_from_scratch(target, checkpoints):
     drafter = CheckedDrafter(target, model, target.vocab_size)
     engine = Engine(target, drafter, num_draft_tokens=3, adaptive=False)
     accepted = [event.accepted for event in engine.generate(PROMPT, max_tokens=60) if isinstance(event, Step)]
-    tokens = drafter.context[len(PROMPT):]
+    tokens = drafter.context[len(PROMPT) :]
     run(engine, PROMPT + tokens + [3, 4], 10)  # a second turn reuses the session's cache
     assert max(accepted) >= 2 and len(drafter.pairs) > 50
     for drafts, expected in drafter.pairs:
         assert drafts.tolist() == expected
 
 
-@pytest.mark.parametrize("layout,adaptive", [("safeailab", False), ("speculators", False), ("safeailab", True)])
+@pytest.mark.parametrize(
+    "layout,adaptive", [("safeailab", False), ("speculators", False), ("safeailab", True)]
+)
 @pytest.mark.parametrize("k", [1, 3, 6])
 def test_greedy_is_token_identical(target, checkpoints, layout, adaptive, k):
     """Every draft verified, or those the policy keeps."""
     expected = plain_greedy(target.model, PROMPT, 40)
-    engine = Engine(target, EagleDrafter(load_eagle3(checkpoints[layout], target), target.vocab_size),
-                    num_draft_tokens=k, adaptive=adaptive)
+    engine = Engine(
+        target,
+        EagleDrafter(load_eagle3(checkpoints[layout], target), target.vocab_size),
+        num_draft_tokens=k,
+        adaptive=adaptive,
+    )
     for prompt in (PROMPT, PROMPT):  # the second run finds its prompt in the session's cache
         tokens, stats = run(engine, prompt, 40)
         assert tokens == expected
@@ -227,7 +265,7 @@ def test_sampled_drafts_come_with_their_filtered_q(target, checkpoints, top_k):
 
     params = SamplingParams(temp=0.7, top_k=top_k, top_p=0.95)
     drafter = EagleDrafter(load_eagle3(checkpoints["safeailab"], target), VOCAB)
-    drafter.sampler = Sampler(params, seed=0, residual=True)   # q is reported for this rule only
+    drafter.sampler = Sampler(params, seed=0, residual=True)  # q is reported for this rule only
     _, taps = target.forward(mx.array(PROMPT[:-1])[None], make_prompt_cache(target.model), drafter.taps)
     drafter.prefill(PROMPT, taps, 0)
     draft = drafter.propose(4)
@@ -253,8 +291,11 @@ def test_exact_sampling(tmp_path, tree_budget):
 def test_registry(target, checkpoints):
     with pytest.raises(MlxSpecError, match="--draft-model"):
         make_drafter("eagle", target, dict(sampling=GREEDY))
-    drafter = make_drafter("eagle", target, dict(draft_model=str(checkpoints["speculators"]),
-                                                 sampling=GREEDY, seed=0, num_draft_tokens=4))
+    drafter = make_drafter(
+        "eagle",
+        target,
+        dict(draft_model=str(checkpoints["speculators"]), sampling=GREEDY, seed=0, num_draft_tokens=4),
+    )
     assert isinstance(drafter, EagleDrafter) and drafter.taps == [0, 1, 1]
 
 
@@ -265,14 +306,25 @@ def _mismatches(target):
     return {
         "hidden size": (wide, {}, {}, "hidden size 48"),
         "fc width": (random_eagle(target), {"target_hidden_size": 64}, {}, "features of width 64"),
-        "vocabulary": (random_eagle(target), {"transformer_layer_config": dict(LAYER, vocab_size=32)}, {},
-                       "32-token vocabulary"),
+        "vocabulary": (
+            random_eagle(target),
+            {"transformer_layer_config": dict(LAYER, vocab_size=32)},
+            {},
+            "32-token vocabulary",
+        ),
         "d2t range": (random_eagle(target), {}, {"d2t": mx.array(bad_d2t)}, "d2t maps"),
-        "layer ids": (random_eagle(target), {"eagle_aux_hidden_state_layer_ids": [1, 2, 9]}, {},
-                      "fuses target layer 9"),
-        "draft layers": (random_eagle(target), {"transformer_layer_config": dict(LAYER, vocab_size=VOCAB,
-                                                                                  num_hidden_layers=2)},
-                         {}, "2 draft layers"),
+        "layer ids": (
+            random_eagle(target),
+            {"eagle_aux_hidden_state_layer_ids": [1, 2, 9]},
+            {},
+            "fuses target layer 9",
+        ),
+        "draft layers": (
+            random_eagle(target),
+            {"transformer_layer_config": dict(LAYER, vocab_size=VOCAB, num_hidden_layers=2)},
+            {},
+            "2 draft layers",
+        ),
     }
 
 
@@ -281,8 +333,11 @@ def test_load_errors(target, tmp_path):
         path = save_eagle(model, tmp_path / name.replace(" ", "_"), "speculators", config, weights)
         with pytest.raises(MlxSpecError, match=message):
             load_eagle3(path, target)
-    shallow = Target(tiny_target("llama", vocab_size=VOCAB, num_layers=2, hidden_size=32).model, None,
-                     dict(vocab_size=VOCAB, hidden_size=32))
+    shallow = Target(
+        tiny_target("llama", vocab_size=VOCAB, num_layers=2, hidden_size=32).model,
+        None,
+        dict(vocab_size=VOCAB, hidden_size=32),
+    )
     with pytest.raises(MlxSpecError, match="outside this target's 2 layers"):
         load_eagle3(save_eagle(random_eagle(target), tmp_path / "s", "safeailab"), shallow)
 
@@ -309,7 +364,6 @@ def test_tree_greedy_is_token_identical(target, checkpoints, budget, topk, k):
     assert stats.verified_drafts <= stats.steps * budget
 
 
-
 def test_what_is_left_of_a_tree_as_one_chain_is_verified_as_a_chain(target, checkpoints, monkeypatch):
     """Where the policy keeps one path of a tree (a probe, a text where only the best guesses
     pay), the chain verifier runs: no tree mask, no cache compaction."""
@@ -322,7 +376,7 @@ def test_what_is_left_of_a_tree_as_one_chain_is_verified_as_a_chain(target, chec
 
         def select(self, confidence, parents, drafted, probing=False):
             path, node = [], 0
-            while (children := [i for i, p in enumerate(parents) if p == node]):
+            while children := [i for i, p in enumerate(parents) if p == node]:
                 path.append(children[0])
                 node = children[0] + 1
             return path
@@ -331,7 +385,9 @@ def test_what_is_left_of_a_tree_as_one_chain_is_verified_as_a_chain(target, chec
         raise AssertionError("a chain went through the tree verifier")
 
     monkeypatch.setattr(engine_module, "tree_forward", no_tree)
-    drafter = EagleDrafter(load_eagle3(checkpoints["safeailab"], target), target.vocab_size, tree_budget=6, tree_topk=2)
+    drafter = EagleDrafter(
+        load_eagle3(checkpoints["safeailab"], target), target.vocab_size, tree_budget=6, tree_topk=2
+    )
     tokens, stats = run(Engine(target, drafter, num_draft_tokens=3, policy=BestPath()), PROMPT, 40)
     assert tokens == plain_greedy(target.model, PROMPT, 40)
     assert stats.verified_drafts > stats.steps and stats.accepted_drafts > 0
@@ -340,7 +396,8 @@ def test_what_is_left_of_a_tree_as_one_chain_is_verified_as_a_chain(target, chec
 @pytest.mark.parametrize("tree_budget", [0, 6], ids=["chain", "tree"])
 def test_one_token_prompt(target, checkpoints, tree_budget):
     """Nothing to prefill, so no feature yet: the first step is plain, then drafting starts."""
-    drafter = EagleDrafter(load_eagle3(checkpoints["safeailab"], target), target.vocab_size,
-                           tree_budget=tree_budget, tree_topk=2)
+    drafter = EagleDrafter(
+        load_eagle3(checkpoints["safeailab"], target), target.vocab_size, tree_budget=tree_budget, tree_topk=2
+    )
     tokens, stats = run(Engine(target, drafter, num_draft_tokens=3, adaptive=False), [5], 16)
     assert tokens == plain_greedy(target.model, [5], 16) and stats.verified_drafts > 0

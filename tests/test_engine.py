@@ -49,7 +49,9 @@ def test_every_acceptance_length(wrong_every, k):
 def test_max_tokens_exact_inside_a_draft(max_tokens):
     target = tiny_target("llama", seed=2)
     expected = plain_greedy(target.model, PROMPT, max_tokens)
-    engine = Engine(target, ScriptedDrafter(expected + [0] * 20, 1000, 32), num_draft_tokens=6, adaptive=False)
+    engine = Engine(
+        target, ScriptedDrafter(expected + [0] * 20, 1000, 32), num_draft_tokens=6, adaptive=False
+    )
     tokens, stats = run(engine, PROMPT, max_tokens)
     assert tokens == expected and len(tokens) == max_tokens
     assert stats.finish_reason == "length"
@@ -64,10 +66,10 @@ def test_eos_inside_a_draft():
     target.eos_token_ids = [eos]
     engine = Engine(target, ScriptedDrafter(reference, 1000, 32), num_draft_tokens=6, adaptive=False)
     tokens, stats = run(engine, PROMPT, 40)
-    assert tokens == reference[:first]          # EOS is not part of the output
+    assert tokens == reference[:first]  # EOS is not part of the output
     assert stats.finish_reason == "eos"
     # The cache holds exactly the kept tokens (the drafts after EOS were rolled back).
-    assert engine.cached_tokens == (PROMPT + reference[:first + 1])[:-1]
+    assert engine.cached_tokens == (PROMPT + reference[: first + 1])[:-1]
     assert all(c.offset == len(engine.cached_tokens) for c in engine.cache)
 
 
@@ -96,24 +98,33 @@ def test_a_long_prompt_prefills_in_chunks_and_reports_them(monkeypatch):
 
     target = eagle_target()
     prompt = (PROMPT * 3)[:40]
-    model = random_eagle(target, seed=3, scale=1.0)   # a seed whose drafts are sometimes accepted
+    model = random_eagle(target, seed=3, scale=1.0)  # a seed whose drafts are sometimes accepted
     model._target_embed = target.embed
     engine = Engine(target, EagleDrafter(model, target.vocab_size), num_draft_tokens=3, adaptive=False)
     whole = Collector.of(engine.generate(prompt, max_tokens=16))
     monkeypatch.setattr(engine_module, "PREFILL_CHUNK", 8)
     engine.reset()
     events = list(engine.generate(prompt, max_tokens=16))
-    assert [(e.done, e.total) for e in events if isinstance(e, Prefilling)] == [(8, 39), (16, 39), (24, 39), (32, 39)]
+    assert [(e.done, e.total) for e in events if isinstance(e, Prefilling)] == [
+        (8, 39),
+        (16, 39),
+        (24, 39),
+        (32, 39),
+    ]
     chunked = Collector()
     for event in events:
         chunked.add(event)
     assert chunked.tokens == whole.tokens == plain_greedy(target.model, prompt, 16)
-    assert chunked.from_draft == whole.from_draft and any(whole.from_draft)   # the same drafts: the same features
+    assert chunked.from_draft == whole.from_draft and any(
+        whole.from_draft
+    )  # the same drafts: the same features
     follow_up = prompt + chunked.tokens + [3, 4, 5, 6, 10] * 4
     events = list(engine.generate(follow_up, max_tokens=8))
-    cached = len(prompt) + 16 - 2   # the cache's, less the position a feature drafter recomputes
+    cached = len(prompt) + 16 - 2  # the cache's, less the position a feature drafter recomputes
     assert [(e.done, e.total) for e in events if isinstance(e, Prefilling)] == [
-        (8, len(follow_up) - 1 - cached), (16, len(follow_up) - 1 - cached)]
+        (8, len(follow_up) - 1 - cached),
+        (16, len(follow_up) - 1 - cached),
+    ]
     assert [e.id for e in events if isinstance(e, Token)] == plain_greedy(target.model, follow_up, 8)
 
 

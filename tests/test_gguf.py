@@ -287,9 +287,7 @@ def test_tiny_quantized_logits_match(tiny, tmp_path, qtype):
     biases un-permuted); Q5_0 goes through the gguf package, dequantized."""
     model, _ = tiny
     path = tmp_path / f"tiny-{qtype}.gguf"
-    stored = write_with_gguf(
-        path, gguf_tensors(model), gguf_metadata(), gguf.GGMLQuantizationType[qtype]
-    )
+    stored = write_with_gguf(path, gguf_tensors(model), gguf_metadata(), gguf.GGMLQuantizationType[qtype])
     reference = model_from_gguf_tensors(tiny_model(model.args.vocab_size), stored)
     want = logits(reference)
 
@@ -315,7 +313,8 @@ def test_tiny_quantized_logits_match(tiny, tmp_path, qtype):
             np.testing.assert_allclose(
                 np.array(weights[name]),
                 np.array(dict(tree_flatten(reference.parameters()))[name]),
-                rtol=1e-3, atol=1e-6,  # float16 block scales: same values up to rounding
+                rtol=1e-3,
+                atol=1e-6,  # float16 block scales: same values up to rounding
             )
     converted, _ = mlx_lm.load(str(f32))
     np.testing.assert_allclose(logits(converted), want, atol=1e-3, rtol=1e-3)
@@ -400,8 +399,12 @@ def test_llama3_rope_freqs():
         dims,
         max_position_embeddings=131072,
         base=base,
-        scaling_config={"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                        "original_max_position_embeddings": 8192},
+        scaling_config={
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
     )
     # llama.cpp stores per-frequency divisors: mlx-lm's periods / the unscaled periods
     periods = base ** (np.arange(0, dims, 2) / dims)
@@ -458,7 +461,7 @@ def test_truncated(tiny, tmp_path, keep_bytes):
 def test_unsupported_version(tiny, tmp_path):
     _, src = tiny
     data = bytearray(src.read_bytes())
-    data[4:8] = (1).to_bytes(4, "little")      # GGUF v1: the gguf package reads v2 and v3
+    data[4:8] = (1).to_bytes(4, "little")  # GGUF v1: the gguf package reads v2 and v3
     path = tmp_path / "v1.gguf"
     path.write_bytes(bytes(data))
     with pytest.raises(MlxSpecError) as e:
@@ -468,8 +471,9 @@ def test_unsupported_version(tiny, tmp_path):
 
 def test_unsupported_architecture(tmp_path):
     path = tmp_path / "gpt2.gguf"
-    write_with_mlx(path, {"token_embd.weight": np.zeros((8, 4), np.float32)},
-                   {"general.architecture": ("str", "gpt2")})
+    write_with_mlx(
+        path, {"token_embd.weight": np.zeros((8, 4), np.float32)}, {"general.architecture": ("str", "gpt2")}
+    )
     with pytest.raises(MlxSpecError, match="unsupported GGUF architecture: gpt2"):
         convert_gguf(path, tmp_path / "out")
 
@@ -564,7 +568,9 @@ def test_default_model_says_paris(default):
     path, model, tok = default
     config = json.loads((path / "config.json").read_text())
     assert config["quantization"] == {
-        "group_size": 32, "bits": 4, "model.embed_tokens": {"group_size": 32, "bits": 8}
+        "group_size": 32,
+        "bits": 4,
+        "model.embed_tokens": {"group_size": 32, "bits": 8},
     }
     assert config["tie_word_embeddings"] is True
     messages = [{"role": "user", "content": "What is the capital of France?"}]
@@ -611,8 +617,11 @@ def test_float32_matches_dequantized(default, tmp_path):
     config = json.loads((f32 / "config.json").read_text())
     assert "quantization" not in config
     kept, full = mx.load(str(path / "model.safetensors")), mx.load(str(f32 / "model.safetensors"))
-    for name, bits in [("model.embed_tokens", 8), ("model.layers.3.self_attn.q_proj", 4),
-                       ("model.layers.3.self_attn.k_proj", 4)]:
+    for name, bits in [
+        ("model.embed_tokens", 8),
+        ("model.layers.3.self_attn.q_proj", 4),
+        ("model.layers.3.self_attn.k_proj", 4),
+    ]:
         w = mx.dequantize(
             kept[f"{name}.weight"],
             kept[f"{name}.scales"].astype(mx.float32),

@@ -48,8 +48,9 @@ def offline(hub, monkeypatch):
 
 
 def cli(args, env):
-    result = subprocess.run([sys.executable, "-m", "mlx_spec.cli", *args], capture_output=True, text=True,
-                            timeout=300, env=env)
+    result = subprocess.run(
+        [sys.executable, "-m", "mlx_spec.cli", *args], capture_output=True, text=True, timeout=300, env=env
+    )
     return result.returncode, result.stdout, result.stderr
 
 
@@ -74,20 +75,37 @@ for name, revision in json.loads(sys.argv[1]):
 def resolved(calls, env):
     """resolve() in a fresh process: huggingface_hub reads HF_HUB_CACHE / HF_HUB_OFFLINE when it
     is imported, as it is for a user who sets them before starting mlx-spec."""
-    result = subprocess.run([sys.executable, "-c", RESOLVE, json.dumps(calls)], capture_output=True, text=True,
-                            timeout=120, env=env)
+    result = subprocess.run(
+        [sys.executable, "-c", RESOLVE, json.dumps(calls)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
     assert result.returncode == 0, result.stderr
     return [json.loads(line) for line in result.stdout.splitlines()]
 
 
 def test_resolve_reads_the_cache_offline(offline, tmp_path):
-    results = resolved([["org/tiny-chat", None], ["org/tiny-chat", COMMIT], [str(tmp_path), None],
-                        ["org/absent", None], ["org/tiny-chat", "v9"], ["no/such/dir", None]], dict(os.environ))
+    results = resolved(
+        [
+            ["org/tiny-chat", None],
+            ["org/tiny-chat", COMMIT],
+            [str(tmp_path), None],
+            ["org/absent", None],
+            ["org/tiny-chat", "v9"],
+            ["no/such/dir", None],
+        ],
+        dict(os.environ),
+    )
     snapshot = Path(results[0][1])
     assert results[0][0] == "ok" and snapshot.name == COMMIT and (snapshot / "config.json").is_file()
     assert results[1] == results[0]
-    assert results[2] == ["ok", str(tmp_path)]   # an existing path wins
-    assert results[3][0] == "error" and "not in the Hugging Face cache and HF_HUB_OFFLINE is set" in results[3][1]
+    assert results[2] == ["ok", str(tmp_path)]  # an existing path wins
+    assert (
+        results[3][0] == "error"
+        and "not in the Hugging Face cache and HF_HUB_OFFLINE is set" in results[3][1]
+    )
     assert results[4][0] == "error" and "at revision v9" in results[4][1]
     assert "`hf download org/tiny-chat --revision v9`" in results[4][1]
     assert results[5][0] == "error" and "neither a directory nor a Hugging Face repo id" in results[5][1]
@@ -113,7 +131,8 @@ def test_unknown_repo_id_is_one_line(offline):
 
 
 def test_convert_reads_a_repo_id(offline, tmp_path):
-    code, out, err = cli(["convert", "--hf-path", "org/tiny-chat", "--mlx-path", str(tmp_path / "out")],
-                         dict(os.environ))
+    code, out, err = cli(
+        ["convert", "--hf-path", "org/tiny-chat", "--mlx-path", str(tmp_path / "out")], dict(os.environ)
+    )
     assert code == 0, err
     assert (tmp_path / "out" / "config.json").is_file()

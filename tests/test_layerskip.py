@@ -43,7 +43,7 @@ def test_greedy_is_token_identical(exit_layer, k, adaptive):
     engine = Engine(target, LayerSkipDrafter(target, exit_layer), num_draft_tokens=k, adaptive=adaptive)
     expected = plain_greedy(target.model, PROMPT, 40)
     assert run(engine, PROMPT, 40)[0] == expected
-    more = PROMPT + expected + [3, 4]          # the next turn of the session
+    more = PROMPT + expected + [3, 4]  # the next turn of the session
     assert run(engine, more, 12)[0] == plain_greedy(target.model, more, 12)
     assert run(engine, [7], 8)[0] == plain_greedy(target.model, [7], 8)
 
@@ -81,12 +81,13 @@ def test_cache_equals_a_plain_run_and_early_layers_run_once():
             for ours, theirs in zip(engine.cache, plain):
                 assert ours.offset == theirs.offset == len(engine.cached_tokens)
                 for a, b in ((ours.keys, theirs.keys), (ours.values, theirs.values)):
-                    assert np.allclose(np.array(a[..., :ours.offset, :]), np.array(b[..., :theirs.offset, :]),
-                                       atol=1e-4)
+                    assert np.allclose(
+                        np.array(a[..., : ours.offset, :]), np.array(b[..., : theirs.offset, :]), atol=1e-4
+                    )
         # Drafting ran positions through the early layers that verification did not run again:
         # the first layer saw exactly the positions the exit layer saw (a naive drafter would
         # run every drafted position through the early layers twice).
-        assert 5 < accepted < 3 * steps      # some drafts accepted, some rejected
+        assert 5 < accepted < 3 * steps  # some drafts accepted, some rejected
         assert layers[0].positions == layers[exit_layer].positions
     finally:
         layers[:] = originals
@@ -95,8 +96,9 @@ def test_cache_equals_a_plain_run_and_early_layers_run_once():
 def test_exact_sampling():
     target = quiet_after(2, vocab_size=VOCAB, seed=2)
     prompt, params = repeated_prompt(), SamplingParams(temp=1.0)
-    engine = Engine(target, LayerSkipDrafter(target, 2), num_draft_tokens=3, sampling=params, seed=1,
-                    adaptive=False)
+    engine = Engine(
+        target, LayerSkipDrafter(target, 2), num_draft_tokens=3, sampling=params, seed=1, adaptive=False
+    )
     pvalue = sampling_pvalue(engine, prompt, params)
     assert pvalue > STRICT, f"p = {pvalue:.2e}"
 

@@ -28,10 +28,14 @@ def random_heads(hidden, vocab, seed=0, heads=HEADS, layers=LAYERS, compact=Fals
     w = {}
     for i in range(heads):
         for j in range(layers):
-            w[f"{i}.{j}.linear.weight"] = mx.array(rng.standard_normal((hidden, hidden)) / np.sqrt(hidden), mx.float32)
+            w[f"{i}.{j}.linear.weight"] = mx.array(
+                rng.standard_normal((hidden, hidden)) / np.sqrt(hidden), mx.float32
+            )
             w[f"{i}.{j}.linear.bias"] = mx.array(rng.standard_normal(hidden) * 0.1, mx.float32)
         if not compact:
-            w[f"{i}.{layers}.weight"] = mx.array(rng.standard_normal((vocab, hidden)) * 3 / np.sqrt(hidden), mx.float32)
+            w[f"{i}.{layers}.weight"] = mx.array(
+                rng.standard_normal((vocab, hidden)) * 3 / np.sqrt(hidden), mx.float32
+            )
     return w
 
 
@@ -47,7 +51,9 @@ def write(path, weights, layout="fasterdecoding", heads=HEADS, layers=LAYERS, ex
     else:
         prefix = "medusa_head." if layout == "whole-model" else ""
         config = {"medusa_num_heads": heads, "medusa_num_layers": layers, "base_model_name_or_path": "tiny"}
-        mx.save_safetensors(str(path / "medusa_lm_head.safetensors"), {prefix + k: v for k, v in weights.items()})
+        mx.save_safetensors(
+            str(path / "medusa_lm_head.safetensors"), {prefix + k: v for k, v in weights.items()}
+        )
     (path / "config.json").write_text(json.dumps({**config, **(extra or {})}))
     return path
 
@@ -92,25 +98,31 @@ def test_layouts_load_the_same_heads(target, tmp_path, compact):
 @pytest.mark.parametrize("k", [1, 3, 4])
 def test_greedy_is_token_identical(target, tmp_path, tree_budget, k):
     model = load_medusa(write(tmp_path / "m", random_heads(64, 32)), target)
-    engine = Engine(target, MedusaDrafter(target, model, tree_budget=tree_budget, tree_topk=3),
-                    num_draft_tokens=k, adaptive=False)
+    engine = Engine(
+        target,
+        MedusaDrafter(target, model, tree_budget=tree_budget, tree_topk=3),
+        num_draft_tokens=k,
+        adaptive=False,
+    )
     expected = plain_greedy(target.model, PROMPT, 40)
     tokens, stats = run(engine, PROMPT, 40)
     assert tokens == expected
-    more = PROMPT + tokens + [3, 4]      # a second turn in the same session
+    more = PROMPT + tokens + [3, 4]  # a second turn in the same session
     assert run(engine, more, 10)[0] == plain_greedy(target.model, more, 10)
-    assert run(engine, [5], 8)[0] == plain_greedy(target.model, [5], 8)   # a one-token prompt
+    assert run(engine, [5], 8)[0] == plain_greedy(target.model, [5], 8)  # a one-token prompt
 
 
 def test_heads_that_copy_the_target_are_accepted(tmp_path):
     """Heads whose drafts are the target's own tokens (a tiny target that repeats itself)
     are accepted: the drafts line up with the positions they are verified at."""
-    target = tiny_target(scale=0.3, seed=1)   # weak weights: greedy text settles on one token
+    target = tiny_target(scale=0.3, seed=1)  # weak weights: greedy text settles on one token
     expected = plain_greedy(target.model, PROMPT, 60)
     # Heads of zero blocks with the target's own output layer: head i drafts what the target
     # would say next from the same state, right whenever the text has become one token repeated.
     path = write(tmp_path / "c", {}, layers=0, extra={"medusa_shared_head": True})
-    engine = Engine(target, MedusaDrafter(target, load_medusa(path, target)), num_draft_tokens=3, adaptive=False)
+    engine = Engine(
+        target, MedusaDrafter(target, load_medusa(path, target)), num_draft_tokens=3, adaptive=False
+    )
     tokens, stats = run(engine, PROMPT, 60)
     assert tokens == expected and expected[-25:] == [expected[-1]] * 25
     assert stats.accepted_drafts > 15
@@ -120,10 +132,20 @@ def test_heads_that_copy_the_target_are_accepted(tmp_path):
 # samples exactly in tests/test_vocabulary.py (with a reduced vocabulary, the same tree rule).
 @pytest.mark.parametrize("tree_budget", [pytest.param(6, marks=pytest.mark.slow)], ids=["tree"])
 def test_exact_sampling(tmp_path, tree_budget):
-    target, prompt, params = tiny_target(vocab_size=VOCAB, scale=2.0, seed=4), repeated_prompt(), SamplingParams(temp=1.0)
+    target, prompt, params = (
+        tiny_target(vocab_size=VOCAB, scale=2.0, seed=4),
+        repeated_prompt(),
+        SamplingParams(temp=1.0),
+    )
     model = load_medusa(write(tmp_path / "m", random_heads(64, VOCAB, seed=2)), target)
-    engine = Engine(target, MedusaDrafter(target, model, tree_budget=tree_budget, tree_topk=2), num_draft_tokens=3,
-                    sampling=params, seed=1, adaptive=False)
+    engine = Engine(
+        target,
+        MedusaDrafter(target, model, tree_budget=tree_budget, tree_topk=2),
+        num_draft_tokens=3,
+        sampling=params,
+        seed=1,
+        adaptive=False,
+    )
     pvalue = sampling_pvalue(engine, prompt, params)
     assert pvalue > STRICT, f"p = {pvalue:.2e}"
 
@@ -141,7 +163,7 @@ def test_bad_input(target, tmp_path):
         load_medusa(write(tmp_path / "v", random_heads(64, 48)), target)
     bad = write(tmp_path / "t", random_heads(64, 32))
     data = (bad / "medusa_lm_head.safetensors").read_bytes()
-    (bad / "medusa_lm_head.safetensors").write_bytes(data[:len(data) // 2])
+    (bad / "medusa_lm_head.safetensors").write_bytes(data[: len(data) // 2])
     with pytest.raises(MlxSpecError, match="cannot read"):
         load_medusa(bad, target)
     corrupt = write(tmp_path / "c", random_heads(64, 32), extra={"medusa_num_heads": "four"})

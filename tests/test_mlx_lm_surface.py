@@ -16,16 +16,23 @@ def imported_from_mlx_lm():
     """(module, name, where) of every `from mlx_lm... import name` in mlx_spec."""
     for path in sorted(PACKAGE.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").split(".")[0] == "mlx_lm":
+            if (
+                isinstance(node, ast.ImportFrom)
+                and node.level == 0
+                and (node.module or "").split(".")[0] == "mlx_lm"
+            ):
                 for alias in node.names:
                     yield node.module, alias.name, f"{path.relative_to(PACKAGE.parent)}:{node.lineno}"
 
 
 def test_every_name_imported_from_mlx_lm_exists():
     names = list(imported_from_mlx_lm())
-    assert len(names) > 20   # the scan finds them
-    missing = [f"{where}: {module}.{name}" for module, name, where in names
-               if not hasattr(importlib.import_module(module), name)]
+    assert len(names) > 20  # the scan finds them
+    missing = [
+        f"{where}: {module}.{name}"
+        for module, name, where in names
+        if not hasattr(importlib.import_module(module), name)
+    ]
     assert not missing, "mlx-lm no longer has:\n" + "\n".join(missing)
 
 
@@ -41,6 +48,15 @@ def test_the_private_attributes_used_are_there():
     # convert/hf.py checks an architecture with mlx-lm's own class lookup.
     assert callable(_get_classes)
     # The server reads the tokenizer wrapper's tool-calling and thinking markers.
-    for name in ("has_tool_calling", "tool_call_start", "tool_call_end", "tool_parser", "has_thinking",
-                 "think_start", "think_end", "detokenizer", "eos_token_ids"):
+    for name in (
+        "has_tool_calling",
+        "tool_call_start",
+        "tool_call_end",
+        "tool_parser",
+        "has_thinking",
+        "think_start",
+        "think_end",
+        "detokenizer",
+        "eos_token_ids",
+    ):
         assert hasattr(TokenizerWrapper, name), name

@@ -27,17 +27,45 @@ from mlx_spec.sampling import SamplingParams
 from test_windowed import RECURRENT
 from tiny import plain_greedy, run, tiny_config, tiny_model
 
-MOE = dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
-           first_k_dense_replace=1, n_group=1, topk_group=1, routed_scaling_factor=1.0, norm_topk_prob=True)
-ARCHS = {   # architecture: (layout, config beyond tiny_config)
-    "deepseek_v3": ("deepseek", dict(MOE, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, v_head_dim=16,
-                                     qk_nope_head_dim=16, moe_layer_freq=1)),
-    "glm4_moe": ("deepseek", dict(MOE, head_dim=16, use_qk_norm=True, attention_bias=True, rope_scaling=None,
-                                  partial_rotary_factor=0.5)),
+MOE = dict(
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    n_shared_experts=1,
+    first_k_dense_replace=1,
+    n_group=1,
+    topk_group=1,
+    routed_scaling_factor=1.0,
+    norm_topk_prob=True,
+)
+ARCHS = {  # architecture: (layout, config beyond tiny_config)
+    "deepseek_v3": (
+        "deepseek",
+        dict(
+            MOE,
+            kv_lora_rank=16,
+            q_lora_rank=32,
+            qk_rope_head_dim=8,
+            v_head_dim=16,
+            qk_nope_head_dim=16,
+            moe_layer_freq=1,
+        ),
+    ),
+    "glm4_moe": (
+        "deepseek",
+        dict(
+            MOE,
+            head_dim=16,
+            use_qk_norm=True,
+            attention_bias=True,
+            rope_scaling=None,
+            partial_rotary_factor=0.5,
+        ),
+    ),
     "mimo": ("mimo", dict()),
     "qwen3_next": ("qwen3_next", dict(RECURRENT["qwen3_next"])),
-    "qwen3_5": ("qwen3_next", dict(RECURRENT["qwen3_5"])),   # a text model inside, dense
-    "llama": ("deepseek", dict()),   # the layout `train mtp` writes for the default model
+    "qwen3_5": ("qwen3_next", dict(RECURRENT["qwen3_5"])),  # a text model inside, dense
+    "llama": ("deepseek", dict()),  # the layout `train mtp` writes for the default model
 }
 PROMPT = [1, 5, 7, 9, 11, 13, 2, 5, 7, 9, 11, 13, 2, 5]
 
@@ -50,14 +78,19 @@ def config_of(arch, vocab_size=32, **extra):
 def mtp_layer_index(config, layout):
     """The index of a layer of the target's class built like the module's decoder layer."""
     n = config["num_hidden_layers"]
-    if layout == "qwen3_next":   # a full-attention layer
+    if layout == "qwen3_next":  # a full-attention layer
         interval = config["full_attention_interval"]
         return next(k for k in range(n, n + interval) if (k + 1) % interval == 0)
     return n
 
 
-QWEN3_NEXT_NORMS = (".input_layernorm.weight", ".post_attention_layernorm.weight", "model.norm.weight",
-                    ".q_norm.weight", ".k_norm.weight")
+QWEN3_NEXT_NORMS = (
+    ".input_layernorm.weight",
+    ".post_attention_layernorm.weight",
+    "model.norm.weight",
+    ".q_norm.weight",
+    ".k_norm.weight",
+)
 
 
 def published(params, arch):
@@ -65,7 +98,7 @@ def published(params, arch):
     architecture's sanitize undoes)."""
     out = {}
     for name, w in params.items():
-        if ".switch_mlp." in name:   # stacked experts -> one per expert
+        if ".switch_mlp." in name:  # stacked experts -> one per expert
             head, tail = name.split(".switch_mlp.")
             for e in range(w.shape[0]):
                 out[f"{head}.experts.{e}.{tail}"] = w[e]
@@ -73,11 +106,12 @@ def published(params, arch):
             unembed = params[name.replace("embed_q", "unembed_out")]
             heads = w.shape[0]
             out[name.replace("embed_q", "kv_b_proj")] = mx.concatenate(
-                [w.swapaxes(-1, -2), unembed], axis=1).reshape(heads * (w.shape[2] + unembed.shape[1]), -1)
+                [w.swapaxes(-1, -2), unembed], axis=1
+            ).reshape(heads * (w.shape[2] + unembed.shape[1]), -1)
         elif arch == "deepseek_v3" and "unembed_out" in name:
             continue
         elif arch.startswith("qwen3_") and name.endswith(QWEN3_NEXT_NORMS):
-            out[name] = w - 1.0   # zero-centred, as published
+            out[name] = w - 1.0  # zero-centred, as published
         elif arch.startswith("qwen3_") and name.endswith("conv1d.weight"):
             out[name] = w.moveaxis(2, 1)
         else:
@@ -107,21 +141,25 @@ def write_published(tmp_path, arch, seed=0, vocab_size=32, with_head=True, scale
 
     for part in ("embed_norm", "hidden_norm", "final_norm"):
         raw[prefix + getattr(layout, part) + ".weight"] = norm_weight()
-    raw[prefix + layout.proj + ".weight"] = mx.array(rng.standard_normal((H, 2 * H)) * scale / np.sqrt(2 * H),
-                                                     mx.float32)
+    raw[prefix + layout.proj + ".weight"] = mx.array(
+        rng.standard_normal((H, 2 * H)) * scale / np.sqrt(2 * H), mx.float32
+    )
     if layout.name == "deepseek":
-        raw[prefix + "embed_tokens.weight"] = target_model.model.embed_tokens.weight   # a copy, as published
+        raw[prefix + "embed_tokens.weight"] = target_model.model.embed_tokens.weight  # a copy, as published
         if with_head:
             raw[prefix + "shared_head.head.weight"] = mx.array(
-                rng.standard_normal((V, H)) * scale / np.sqrt(H), mx.float32)
+                rng.standard_normal((V, H)) * scale / np.sqrt(H), mx.float32
+            )
     path = tmp_path / name
     path.mkdir()
     (path / "config.json").write_text(json.dumps(config))
     target_weights = published(dict(tree_flatten(target_model.parameters())), arch)
     mx.save_safetensors(str(path / "model-00001-of-00002.safetensors"), target_weights)
     mx.save_safetensors(str(path / "model-00002-of-00002.safetensors"), raw)
-    weight_map = {**{k: "model-00001-of-00002.safetensors" for k in target_weights},
-                  **{k: "model-00002-of-00002.safetensors" for k in raw}}
+    weight_map = {
+        **{k: "model-00001-of-00002.safetensors" for k in target_weights},
+        **{k: "model-00002-of-00002.safetensors" for k in raw},
+    }
     (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     target = Target(target_model, None, config, path=str(path))
     return path, target, reference, raw
@@ -143,19 +181,22 @@ def reference_forward(arch, target, reference, raw, tokens, hidden, cache, from_
     p = layout.prefix.format(i=0, n=n_layers)
     zc = layout.zero_centred_norms
     e = target.model.model.embed_tokens(mx.array(tokens)[None])
-    if cache.offset == 0 and layout.name != "qwen3_next":    # inputs_embeds[positions == 0] = 0
+    if cache.offset == 0 and layout.name != "qwen3_next":  # inputs_embeds[positions == 0] = 0
         e = mx.concatenate([mx.zeros_like(e[:, :1]), e[:, 1:]], axis=1)
-    if from_target and layout.name != "mimo":   # DeepseekV2Model / Qwen3NextModel return normed states
+    if from_target and layout.name != "mimo":  # DeepseekV2Model / Qwen3NextModel return normed states
         hidden = target.model.model.norm(hidden)
     e = rms(e, raw[p + layout.embed_norm + ".weight"], eps, zc)
     h = rms(hidden, raw[p + layout.hidden_norm + ".weight"], eps, zc)
-    x = mx.concatenate([h, e] if layout.name == "mimo" else [e, h], axis=-1) @ raw[p + layout.proj + ".weight"].T
+    x = (
+        mx.concatenate([h, e] if layout.name == "mimo" else [e, h], axis=-1)
+        @ raw[p + layout.proj + ".weight"].T
+    )
     from mlx_lm.models.base import create_attention_mask
 
     mask = create_attention_mask(x, cache, return_array=True) if x.shape[1] > 1 else None
-    out = reference(x, mask, cache)       # the decoder layer adds its own residuals
+    out = reference(x, mask, cache)  # the decoder layer adds its own residuals
     final = rms(out, raw[p + layout.final_norm + ".weight"], eps, zc)
-    if layout.name == "deepseek":         # shared_head(norm(h)); the pre-norm state goes on
+    if layout.name == "deepseek":  # shared_head(norm(h)); the pre-norm state goes on
         head = raw.get(p + "shared_head.head.weight")
         logits = final @ head.T if head is not None else target.lm_head(final)
         return logits, out
@@ -169,15 +210,18 @@ def test_logits_equal_the_reference_forward(tmp_path, arch):
     assert type(model.layer) is type(reference)
     tokens = PROMPT
     _, taps = target.forward(mx.array(tokens)[None], make_prompt_cache(target.model), [target.num_layers - 1])
-    hidden = taps[target.num_layers - 1][:, :-1]            # at positions 0..n-2, paired with x_1..x_{n-1}
+    hidden = taps[target.num_layers - 1][:, :-1]  # at positions 0..n-2, paired with x_1..x_{n-1}
     ours_cache, ref_cache = model.make_cache(), KVCache()
     ours = model(model.embed(mx.array(tokens[1:])[None]), model.fuse(hidden), ours_cache)
-    expected_logits, expected_next = reference_forward(arch, target, reference, raw, tokens[1:], hidden, ref_cache)
+    expected_logits, expected_next = reference_forward(
+        arch, target, reference, raw, tokens[1:], hidden, ref_cache
+    )
     assert np.allclose(np.array(model.logits(ours)), np.array(expected_logits), atol=2e-4, rtol=1e-4)
     # One depth further: the module's own output with the next token, one position on.
     step = model(model.embed(mx.array([3])[None]), ours[:, -1:], ours_cache)
-    ref_logits, _ = reference_forward(arch, target, reference, raw, [3], expected_next[:, -1:], ref_cache,
-                                      from_target=False)
+    ref_logits, _ = reference_forward(
+        arch, target, reference, raw, [3], expected_next[:, -1:], ref_cache, from_target=False
+    )
     assert np.allclose(np.array(model.logits(step)), np.array(ref_logits), atol=2e-4, rtol=1e-4)
 
 
@@ -186,8 +230,9 @@ def test_logits_equal_the_reference_forward(tmp_path, arch):
 def test_greedy_is_token_identical(tmp_path, arch, k):
     path, target, _, _ = write_published(tmp_path, arch)
     expected = plain_greedy(target.model, PROMPT, 40)
-    engine = Engine(target, EagleDrafter(load_mtp(path, target), target.vocab_size), num_draft_tokens=k,
-                    adaptive=False)
+    engine = Engine(
+        target, EagleDrafter(load_mtp(path, target), target.vocab_size), num_draft_tokens=k, adaptive=False
+    )
     assert run(engine, PROMPT, 40)[0] == expected
     # A second turn reuses the module's cache.
     more = PROMPT + expected + [3, 4]
@@ -200,8 +245,14 @@ def test_greedy_is_token_identical(tmp_path, arch, k):
 def test_exact_sampling(tmp_path, arch):
     path, target, _, _ = write_published(tmp_path, arch, seed=2, vocab_size=VOCAB, scale=2.0)
     prompt, params = repeated_prompt(), SamplingParams(temp=1.0)
-    engine = Engine(target, EagleDrafter(load_mtp(path, target), VOCAB), num_draft_tokens=3, sampling=params,
-                    seed=1, adaptive=False)
+    engine = Engine(
+        target,
+        EagleDrafter(load_mtp(path, target), VOCAB),
+        num_draft_tokens=3,
+        sampling=params,
+        seed=1,
+        adaptive=False,
+    )
     pvalue = sampling_pvalue(engine, prompt, params)
     assert pvalue > STRICT, f"p = {pvalue:.2e}"
 
@@ -215,11 +266,11 @@ def test_converted_directory_keeps_the_module(tmp_path, arch):
     from mlx_spec.convert.default import default_model_path
     from mlx_spec.convert.hf import convert_hf
 
-    path, target, _, _ = write_published(tmp_path, arch, vocab_size=49152)   # the default tokenizer's
+    path, target, _, _ = write_published(tmp_path, arch, vocab_size=49152)  # the default tokenizer's
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         shutil.copy(default_model_path() / name, path / name)
     out = convert_hf(path, tmp_path / "mlx")
-    converted, _ = load_model(out)                       # plain mlx-lm reads it
+    converted, _ = load_model(out)  # plain mlx-lm reads it
     assert plain_greedy(converted, PROMPT, 20) == plain_greedy(load_model(path)[0], PROMPT, 20)
     assert (out / "mtp" / "config.json").is_file()
     loaded = load_target(out, "keep")
@@ -263,8 +314,11 @@ def test_bad_input(tmp_path):
     with pytest.raises(MlxSpecError, match="has no MTP weights"):
         find_mtp(Target(target.model, None, target.config, path=str(bare)))
     # Another target: hidden size, vocabulary, layer count.
-    for other, match in ((dict(hidden_size=32), "hidden size"), (dict(vocab_size=48), "vocabulary|tokens"),
-                         (dict(num_layers=3), "layers")):
+    for other, match in (
+        (dict(hidden_size=32), "hidden size"),
+        (dict(vocab_size=48), "vocabulary|tokens"),
+        (dict(num_layers=3), "layers"),
+    ):
         config = config_of("llama", **other)
         wrong = Target(tiny_model(config), None, config)
         with pytest.raises(MlxSpecError, match=match):
@@ -272,7 +326,7 @@ def test_bad_input(tmp_path):
     # A truncated shard.
     shard = path / "model-00002-of-00002.safetensors"
     data = shard.read_bytes()
-    shard.write_bytes(data[:len(data) // 2])
+    shard.write_bytes(data[: len(data) // 2])
     with pytest.raises(MlxSpecError, match="cannot read"):
         load_mtp(path, target)
     with pytest.raises(MlxSpecError, match="chain"):

@@ -25,7 +25,9 @@ def measured_policy(verify_slope, draft_per_position=0.0, one=0.05):
 
 def teach(policy, accepted: bool, confidence=0.9, n=60):
     for _ in range(n):
-        policy.observe(StepOutcome([confidence] * 4, [0, 1, 2, 3], range(4), [0, 1, 2, 3] if accepted else []))
+        policy.observe(
+            StepOutcome([confidence] * 4, [0, 1, 2, 3], range(4), [0, 1, 2, 3] if accepted else [])
+        )
 
 
 def test_linear_cost_recovers_a_line_and_follows_change():
@@ -33,12 +35,11 @@ def test_linear_cost_recovers_a_line_and_follows_change():
     for _ in range(5):
         for w in (1, 3, 9):
             cost.record(w, 2.0 + 0.5 * w)
-    assert abs(cost(5) - 4.5) < 0.02   # the weak prior on the slope barely moves it
-    for _ in range(200):   # the context grew: every width costs twice as much now
+    assert abs(cost(5) - 4.5) < 0.02  # the weak prior on the slope barely moves it
+    for _ in range(200):  # the context grew: every width costs twice as much now
         for w in (1, 3, 9):
             cost.record(w, 4.0 + 1.0 * w)
     assert abs(cost(5) - 9.0) < 0.05
-
 
 
 def test_a_run_of_one_width_keeps_what_wider_ones_taught():
@@ -50,7 +51,8 @@ def test_a_run_of_one_width_keeps_what_wider_ones_taught():
             cost.record(w, 1.0 + 0.3 * (w - 1))
     for _ in range(300):
         cost.record(1, 1.0)
-    assert abs(cost(2) - 1.3) < 0.03 and abs(cost(5) - 2.2) < 0.1   # the weak prior pulls a little
+    assert abs(cost(2) - 1.3) < 0.03 and abs(cost(5) - 2.2) < 0.1  # the weak prior pulls a little
+
 
 def test_the_plain_width_is_measured_on_its_own():
     """On the CPU the first draft of a step adds more than each later one: a line through
@@ -58,7 +60,7 @@ def test_the_plain_width_is_measured_on_its_own():
     is its own measurement and the line fits the wider ones; before any wider one is measured
     they follow the prior shape through the plain step."""
     cost = LinearCost(prior_ratio=0.1, plain_width=1)
-    cost.record(1, 1.0)   # the first of each width is warm-up, skipped
+    cost.record(1, 1.0)  # the first of each width is warm-up, skipped
     for _ in range(3):
         cost.record(1, 1.0)
     assert cost(1) == pytest.approx(1.0) and cost(3) == pytest.approx(1.2)
@@ -77,7 +79,7 @@ def test_linear_cost_with_one_width_uses_the_prior_shape():
     cost = LinearCost(prior_ratio=0.1)
     for _ in range(4):
         cost.record(4, 1.3)
-    assert abs(cost(4) - 1.3) < 1e-6 and abs(cost(1) - 1.0) < 1e-6   # 1.3 = 1 + 0.1 * 3
+    assert abs(cost(4) - 1.3) < 1e-6 and abs(cost(1) - 1.0) < 1e-6  # 1.3 = 1 + 0.1 * 3
 
 
 def test_linear_cost_never_falls_to_zero():
@@ -94,8 +96,8 @@ def test_never_accepted_drafts_give_plain_steps_with_rare_probes():
     policy = measured_policy(verify_slope=0.1, draft_per_position=0.1)
     teach(policy, accepted=False)
     lengths = [policy.plan(8).length for _ in range(200)]
-    assert lengths[:PROBE_FIRST - 1] == [0] * (PROBE_FIRST - 1)
-    assert sum(k > 0 for k in lengths) <= 8 and set(lengths) == {0, 1}   # probes: one draft, growing intervals
+    assert lengths[: PROBE_FIRST - 1] == [0] * (PROBE_FIRST - 1)
+    assert sum(k > 0 for k in lengths) <= 8 and set(lengths) == {0, 1}  # probes: one draft, growing intervals
     probes = [i for i, k in enumerate(lengths) if k]
     gaps = [b - a for a, b in zip(probes, probes[1:])]
     assert len(probes) >= 3 and gaps == sorted(gaps)
@@ -117,7 +119,7 @@ def test_the_choice_follows_the_cost_curve():
         policy.alpha = 0.7
         lengths.append(policy.plan(12).length)
     assert lengths == sorted(lengths, reverse=True) and lengths[0] > lengths[-1]
-    assert lengths[-1] == 0   # verification twice a step per extra token: drafting never pays
+    assert lengths[-1] == 0  # verification twice a step per extra token: drafting never pays
 
 
 def test_selection_keeps_ancestors_and_the_likeliest_nodes():
@@ -125,7 +127,9 @@ def test_selection_keeps_ancestors_and_the_likeliest_nodes():
     teach(policy, accepted=True, confidence=0.97)
     # Root children 0 (0.97) and 1 (0.1); 2 extends 0 (0.97), 3 extends 1 (0.97).
     kept = policy.select([0.97, 0.1, 0.97, 0.97], [0, 0, 1, 2], 2)
-    assert kept[:2] == [0, 2] and all(policy.reach([0.97, 0.1, 0.97, 0.97], [0, 0, 1, 2])[i] > 0 for i in kept)
+    assert kept[:2] == [0, 2] and all(
+        policy.reach([0.97, 0.1, 0.97, 0.97], [0, 0, 1, 2])[i] > 0 for i in kept
+    )
     draft = Draft(tokens=[5, 6, 7, 8], parents=[0, 0, 1, 2], confidence=[0.97, 0.1, 0.97, 0.97])
     sub = draft.subset([0, 2])
     assert sub.tokens == [5, 7] and sub.parents == [0, 1]
@@ -174,7 +178,11 @@ def test_engine_drafts_what_pays(useful):
     else:
         # Its confidence (0.9) is a lie: the steps until the calibration has learned that cost
         # some drafting, then plain steps and rare probes.
-        assert stats.accepted_drafts == 0 and stats.plain_steps > 0.85 * stats.steps and stats.verified_drafts < 0.2 * stats.steps
+        assert (
+            stats.accepted_drafts == 0
+            and stats.plain_steps > 0.85 * stats.steps
+            and stats.verified_drafts < 0.2 * stats.steps
+        )
         assert engine.policy.calibration(0.9) < 0.2
 
 
@@ -197,7 +205,7 @@ def test_costly_probes_come_rarely():
         plan = policy.plan(3)
         if plan.length:
             probes.append(step)
-            policy.record_drafting(plan.length, 20 * 0.05, plan.probing)   # 20 steps of 0.05 s
+            policy.record_drafting(plan.length, 20 * 0.05, plan.probing)  # 20 steps of 0.05 s
     gaps = [b - a for a, b in zip(probes, probes[1:])]
     assert probes and min(gaps) >= 20 / 0.02 - 1
 
@@ -217,7 +225,7 @@ def test_drafts_never_worth_verifying_stop_being_drafted():
         if k:
             assert policy.select([0.05] * k, list(range(k)), k, plan.probing) == []
             policy.observe(StepOutcome([0.05] * k, list(range(k)), [], []))
-    assert sum(lengths[-100:]) <= 3   # plain steps, but for rare probes
+    assert sum(lengths[-100:]) <= 3  # plain steps, but for rare probes
 
 
 def test_a_probe_verifies_where_the_calibration_knows_little():
@@ -238,15 +246,15 @@ def test_a_confident_draft_resumes_drafting_at_once():
     of waiting for alpha to climb back probe by probe: one draft first, twice as many at each
     step while the drafts stay sure."""
     policy = cpu_like_policy()
-    teach(policy, accepted=True, confidence=0.95, n=30)     # confident drafts are right
-    teach(policy, accepted=False, confidence=0.05, n=60)    # unsure ones are not, for a while
+    teach(policy, accepted=True, confidence=0.95, n=30)  # confident drafts are right
+    teach(policy, accepted=False, confidence=0.05, n=60)  # unsure ones are not, for a while
     policy.first_chance = 0.0
     assert policy.plan(6).length == 0
-    policy.observe(StepOutcome([0.05], [0], [], []))       # another unsure draft, not worth verifying
+    policy.observe(StepOutcome([0.05], [0], [], []))  # another unsure draft, not worth verifying
     assert policy.plan(6).length == 0
     lengths = []
     for _ in range(3):
-        policy.observe(StepOutcome([0.95], [0], [0], [0]))   # a sure one, and right
+        policy.observe(StepOutcome([0.95], [0], [0], [0]))  # a sure one, and right
         lengths.append(policy.plan(6).length)
     assert lengths == [1, 2, 4]
 
@@ -261,10 +269,10 @@ def test_drafting_that_fails_does_not_restart_the_probe_schedule():
         policy.plan(6)
     interval = policy.probe_interval
     assert interval > PROBE_FIRST
-    policy.observe(StepOutcome([0.95], [0], [0], []))      # sure, but fails
+    policy.observe(StepOutcome([0.95], [0], [0], []))  # sure, but fails
     assert policy.probe_interval == interval
-    assert policy.plan(6).length == 1                     # sure: drafting resumes
-    policy.observe(StepOutcome([0.05], [0], [0], [0]))     # an accepted draft
+    assert policy.plan(6).length == 1  # sure: drafting resumes
+    policy.observe(StepOutcome([0.05], [0], [0], [0]))  # an accepted draft
     assert policy.probe_interval == PROBE_FIRST
 
 
@@ -273,11 +281,11 @@ def test_the_calibration_follows_a_change_of_text_within_a_few_drafts():
     buckets alone would go on trusting the confidence for dozens of drafts; the trust factor
     brings the chance down within ten, and back up when the drafts are right again."""
     policy = DraftPolicy()
-    teach(policy, accepted=True, confidence=0.9, n=25)       # 100 outcomes
+    teach(policy, accepted=True, confidence=0.9, n=25)  # 100 outcomes
     assert policy.calibration(0.9) > 0.85
     for _ in range(10):
         policy.observe(StepOutcome([0.9], [0], [0], []))
-    assert policy.calibration.bucket_chance(0.9) > 0.65      # the bucket still trusts it
+    assert policy.calibration.bucket_chance(0.9) > 0.65  # the bucket still trusts it
     assert policy.calibration(0.9) < 0.4
     for _ in range(10):
         policy.observe(StepOutcome([0.9], [0], [0], [0]))
@@ -321,7 +329,9 @@ def test_probes_grow_apart_until_they_cost_a_small_share():
     teach(policy, accepted=False)
     probes = [step for step in range(3000) if plain_or_probe_step(policy, 4, probe_seconds=0.4 * 0.05)]
     gaps = [b - a for a, b in zip(probes, probes[1:])]
-    cost_share = (0.4 * 0.05 + policy.verify_cost(2) - policy.verify_cost(1)) / (gaps[-1] * policy.verify_cost(1))
+    cost_share = (0.4 * 0.05 + policy.verify_cost(2) - policy.verify_cost(1)) / (
+        gaps[-1] * policy.verify_cost(1)
+    )
     assert gaps == sorted(gaps) and gaps[-1] > PROBE_MAX
     assert PROBE_BUDGET / 2 < cost_share <= PROBE_BUDGET * 1.05
 
@@ -340,12 +350,12 @@ def test_new_prompts_are_probed_at_once_while_drafting_saves_time_on_them():
         return any([plain_or_probe_step(policy, 4, accepted, probe_seconds) for _ in range(steps)])
 
     early = [prompt() for _ in range(40)]
-    assert all(early[:5]) and sum(early[-20:]) <= 2   # 120 steps: the schedule's probes only
+    assert all(early[:5]) and sum(early[-20:]) <= 2  # 120 steps: the schedule's probes only
     for _ in range(3):
-        prompt(accepted=True, steps=40, probe_seconds=3 * plain)   # accepted, but dear
+        prompt(accepted=True, steps=40, probe_seconds=3 * plain)  # accepted, but dear
     policy.new_text()
     assert policy.texts_pay < TEXT_FLOOR
-    assert prompt(accepted=True, steps=300)   # the schedule's probe finds drafts that pay
+    assert prompt(accepted=True, steps=300)  # the schedule's probe finds drafts that pay
     assert prompt()
 
 
@@ -359,5 +369,5 @@ def test_a_stopping_query_learns_nothing():
     alpha, first_chance = policy.alpha, policy.first_chance
     assert not policy.worth_extending([0.05], 1)
     assert (policy.alpha, policy.first_chance) == (alpha, first_chance)
-    policy.observe(StepOutcome([0.05], [0], [], []))   # the step: drafted, nothing worth verifying
-    assert policy.alpha == pytest.approx(alpha + policy.alpha_weight * (policy.first_chance - alpha))   # once
+    policy.observe(StepOutcome([0.05], [0], [], []))  # the step: drafted, nothing worth verifying
+    assert policy.alpha == pytest.approx(alpha + policy.alpha_weight * (policy.first_chance - alpha))  # once

@@ -24,8 +24,13 @@ from test_tree import ScriptedTreeDrafter
 from tiny import ScriptedDrafter, plain_greedy, renormalised, run, tiny_target
 
 PROMPT = [1, 5, 7, 9, 11, 13, 2, 5, 7, 9, 11, 13, 2, 5, 7]
-PENALTIES = dict(logit_bias={3: 1.5, 20: -2.0}, repetition_penalty=1.3, presence_penalty=0.4,
-                 frequency_penalty=0.2, repetition_context_size=12)
+PENALTIES = dict(
+    logit_bias={3: 1.5, 20: -2.0},
+    repetition_penalty=1.3,
+    presence_penalty=0.4,
+    frequency_penalty=0.2,
+    repetition_context_size=12,
+)
 SAMPLED = SamplingParams(temp=0.9, top_p=0.95)
 
 
@@ -38,25 +43,32 @@ def mlx_lm_run(target, prompt, n, processors=(), params=None, seed=0):
     """mlx-lm's own decoding with the processors: [(token, its logprobs [V])]; sampled by the
     seeded rule (the same distribution mlx-lm's sampler draws from) where params sample."""
     sampler = None if params is None else seeded_sampler(Sampler(params, seed), len(prompt))
-    return [(int(t), lp) for t, lp in generate_step(mx.array(prompt), target.model, max_tokens=n,
-                                                   sampler=sampler, logits_processors=list(processors))]
+    return [
+        (int(t), lp)
+        for t, lp in generate_step(
+            mx.array(prompt), target.model, max_tokens=n, sampler=sampler, logits_processors=list(processors)
+        )
+    ]
 
 
 def sources(target, reference):
     """Each source's engine, drafting often enough that accepted drafts meet the processors."""
-    return {"none": Engine(target),
-            "lookup": Engine(target, LookupDrafter(), num_draft_tokens=6, adaptive=False),
-            "draft-model": Engine(target, DraftModelDrafter(target, target.vocab_size), num_draft_tokens=4,
-                                  adaptive=False),
-            "scripted": Engine(target, ScriptedDrafter(reference, 3, 32), num_draft_tokens=5, adaptive=False),
-            "tree": Engine(target, ScriptedTreeDrafter(reference, 32), num_draft_tokens=8, adaptive=False),
-            "suffix-tree": Engine(target, SuffixDrafter(12, None, tree=True), num_draft_tokens=8, adaptive=False)}
+    return {
+        "none": Engine(target),
+        "lookup": Engine(target, LookupDrafter(), num_draft_tokens=6, adaptive=False),
+        "draft-model": Engine(
+            target, DraftModelDrafter(target, target.vocab_size), num_draft_tokens=4, adaptive=False
+        ),
+        "scripted": Engine(target, ScriptedDrafter(reference, 3, 32), num_draft_tokens=5, adaptive=False),
+        "tree": Engine(target, ScriptedTreeDrafter(reference, 32), num_draft_tokens=8, adaptive=False),
+        "suffix-tree": Engine(target, SuffixDrafter(12, None, tree=True), num_draft_tokens=8, adaptive=False),
+    }
 
 
 def test_penalties_greedy_equal_mlx_lm_for_every_source_and_a_tree(target):
     processors = make_logits_processors(**PENALTIES)
     reference = [t for t, _ in mlx_lm_run(target, PROMPT, 40, processors)]
-    assert reference != plain_greedy(target.model, PROMPT, 40)   # the processors change the text
+    assert reference != plain_greedy(target.model, PROMPT, 40)  # the processors change the text
     options = GenerationOptions(logits_processors=tuple(processors))
     for name, engine in sources(target, reference).items():
         collected = Collector.of(engine.generate(PROMPT, max_tokens=40, options=options))
@@ -74,9 +86,11 @@ def test_logprobs_equal_mlx_lms_with_accepted_drafts(target, sampled):
     tokens = [t for t, _ in reference]
     options = GenerationOptions(logits_processors=tuple(processors), logprobs=5, distribution=True)
     for name, engine in sources(target, tokens).items():
-        collected = Collector.of(engine.generate(PROMPT, max_tokens=30, sampling=params, seed=4, options=options))
+        collected = Collector.of(
+            engine.generate(PROMPT, max_tokens=30, sampling=params, seed=4, options=options)
+        )
         assert collected.tokens == tokens, name
-        assert any(collected.from_draft) or name in ("none", "lookup"), name   # lookup: no match when sampled
+        assert any(collected.from_draft) or name in ("none", "lookup"), name  # lookup: no match when sampled
         for (token, logprobs), ours in zip(reference, collected.logprobs):
             logprobs = renormalised(logprobs)
             assert abs(ours.logprob - logprobs[token].item()) < 1e-4, name
@@ -90,8 +104,10 @@ def test_a_batchs_rows_get_their_own_logprobs(target):
     references = [mlx_lm_run(target, prompt, 24) for prompt in (PROMPT, other, PROMPT)]
     batch = BatchEngine.spawned(Engine(target, LookupDrafter(), num_draft_tokens=6, adaptive=False), 3)
     asked = [5, 0, None]
-    requests = [dict(prompt=prompt, max_tokens=24, options=GenerationOptions(logprobs=top))
-                for prompt, top in zip((PROMPT, other, PROMPT), asked)]
+    requests = [
+        dict(prompt=prompt, max_tokens=24, options=GenerationOptions(logprobs=top))
+        for prompt, top in zip((PROMPT, other, PROMPT), asked)
+    ]
     collected = {i: Collector() for i in range(3)}
     for i, event in batch.generate_all(requests):
         collected[i].add(event)
@@ -112,7 +128,7 @@ def test_a_batchs_rows_get_their_own_logprobs(target):
 def test_top_indices_are_the_largest_in_order(shape):
     rng = np.random.default_rng(shape[1])
     values = rng.standard_normal(shape).astype(np.float32)
-    values[0, rng.integers(0, shape[1], 3)] = -np.inf   # a processor's banned tokens
+    values[0, rng.integers(0, shape[1], 3)] = -np.inf  # a processor's banned tokens
     for k in (1, 5, 20):
         assert (top_indices(values, k) == np.argsort(-values, axis=-1)[:, :k]).all(), (shape, k)
 
@@ -126,7 +142,9 @@ def test_sampling_with_processors_is_exact():
     from test_exactness import harness_model
 
     target, prompt = harness_model(11), repeated_prompt()
-    processors = tuple(make_logits_processors(logit_bias={2: 1.0}, repetition_penalty=1.5, presence_penalty=0.5))
+    processors = tuple(
+        make_logits_processors(logit_bias={2: 1.0}, repetition_penalty=1.5, presence_penalty=0.5)
+    )
     params = SamplingParams(temp=1.0)
     engine = Engine(target, LookupDrafter(), num_draft_tokens=3, sampling=params, adaptive=False)
     pvalue = sampling_pvalue(engine, prompt, params, options=GenerationOptions(logits_processors=processors))
@@ -144,13 +162,18 @@ def test_a_prediction_drafts_losslessly(target, source):
     expected = plain_greedy(target.model, PROMPT, 48)
     for prediction, least_tau in ((expected, 4.0), (edited(expected), 1.5), ([30, 31] * 5, 0.0)):
         engine = Engine(target, LookupDrafter() if source == "lookup" else None, adaptive=False)
-        collected = Collector.of(engine.generate(PROMPT, max_tokens=48, options=GenerationOptions(
-            prediction=tuple(prediction))))
+        collected = Collector.of(
+            engine.generate(PROMPT, max_tokens=48, options=GenerationOptions(prediction=tuple(prediction)))
+        )
         assert collected.tokens == expected, prediction
         assert collected.stats.tokens_per_step >= least_tau, collected.stats
-        assert engine.drafter.__class__ is (LookupDrafter if source == "lookup" else type(Engine(target).drafter))
+        assert engine.drafter.__class__ is (
+            LookupDrafter if source == "lookup" else type(Engine(target).drafter)
+        )
         # The next generation drafts with the engine's source alone, from the same cache.
-        assert run(engine, PROMPT + expected[:5], 10)[0] == plain_greedy(target.model, PROMPT + expected[:5], 10)
+        assert run(engine, PROMPT + expected[:5], 10)[0] == plain_greedy(
+            target.model, PROMPT + expected[:5], 10
+        )
 
 
 def test_a_prediction_in_a_batch_and_when_sampling(target):
@@ -158,8 +181,12 @@ def test_a_prediction_in_a_batch_and_when_sampling(target):
     other = PROMPT[:-1] + [9]
     expected_other = plain_greedy(target.model, other, 30)
     batch = BatchEngine.spawned(Engine(target, LookupDrafter(), adaptive=False), 2)
-    requests = [dict(prompt=PROMPT, max_tokens=30, options=GenerationOptions(prediction=tuple(expected))),
-                dict(prompt=other, max_tokens=30, options=GenerationOptions(prediction=tuple(edited(expected_other))))]
+    requests = [
+        dict(prompt=PROMPT, max_tokens=30, options=GenerationOptions(prediction=tuple(expected))),
+        dict(
+            prompt=other, max_tokens=30, options=GenerationOptions(prediction=tuple(edited(expected_other)))
+        ),
+    ]
     collected = {0: Collector(), 1: Collector()}
     for i, event in batch.generate_all(requests):
         collected[i].add(event)
@@ -167,6 +194,13 @@ def test_a_prediction_in_a_batch_and_when_sampling(target):
     assert collected[0].stats.tokens_per_step > 3
     # Seeded sampling: the same tokens whatever drafted them.
     sampled = Collector.of(Engine(target).generate(PROMPT, max_tokens=30, sampling=SAMPLED, seed=3)).tokens
-    predicted = Collector.of(Engine(target).generate(PROMPT, max_tokens=30, sampling=SAMPLED, seed=3,
-                                                     options=GenerationOptions(prediction=tuple(sampled))))
+    predicted = Collector.of(
+        Engine(target).generate(
+            PROMPT,
+            max_tokens=30,
+            sampling=SAMPLED,
+            seed=3,
+            options=GenerationOptions(prediction=tuple(sampled)),
+        )
+    )
     assert predicted.tokens == sampled and predicted.stats.accepted_drafts > 10

@@ -25,11 +25,19 @@ def cache_prompt(model_dir, path, kv_bits=None):
     """What `mlx_lm.cache_prompt --model DIR --prompt DOCUMENT` writes (its code, in process)."""
     target = load_target(model_dir, "float32")
     tokenizer = target.tokenizer
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": DOCUMENT}], add_generation_prompt=False,
-                                           continue_final_message=True)
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": DOCUMENT}], add_generation_prompt=False, continue_final_message=True
+    )
     cache = make_prompt_cache(target.model)
-    for _ in generate_step(mx.array(prompt), target.model, max_tokens=0, prompt_cache=cache, kv_bits=kv_bits,
-                           kv_group_size=32, quantized_kv_start=0):
+    for _ in generate_step(
+        mx.array(prompt),
+        target.model,
+        max_tokens=0,
+        prompt_cache=cache,
+        kv_bits=kv_bits,
+        kv_group_size=32,
+        quantized_kv_start=0,
+    ):
         pass
     save_prompt_cache(str(path), cache, {"model": str(model_dir), "tokenizer_config": "{}"})
     return target
@@ -41,9 +49,10 @@ def mlx_lm_continues(target, path, max_tokens):
     tokenizer = target.tokenizer
     messages = [{"role": "user", "content": QUESTION}]
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    probe = tokenizer.apply_chat_template([{"role": "user", "content": "<query>"}], tokenize=False,
-                                          add_generation_prompt=True)
-    suffix = tokenizer.encode(text[probe.index("<query>"):], add_special_tokens=False)
+    probe = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "<query>"}], tokenize=False, add_generation_prompt=True
+    )
+    suffix = tokenizer.encode(text[probe.index("<query>") :], add_special_tokens=False)
     cache = load_prompt_cache(str(path))
     tokens = []
     for token, _ in generate_step(mx.array(suffix), target.model, max_tokens=max_tokens, prompt_cache=cache):
@@ -65,22 +74,43 @@ def test_continues_as_mlx_lm_does(made):
     root, _, expected = made
     for draft in ("none", "lookup", "suffix"):
         # The file names its model: --model may be left out.
-        code, out, err = cli(["generate", QUESTION, "--prompt-cache-file", str(root / "doc.safetensors"),
-                              "--draft", draft, "-m", "24", "--json"]
-                             + (["--suffix-memory", "off"] if draft == "suffix" else []))
+        code, out, err = cli(
+            [
+                "generate",
+                QUESTION,
+                "--prompt-cache-file",
+                str(root / "doc.safetensors"),
+                "--draft",
+                draft,
+                "-m",
+                "24",
+                "--json",
+            ]
+            + (["--suffix-memory", "off"] if draft == "suffix" else [])
+        )
         assert code == 0, err
         result = json.loads(out)
         assert result["tokens"] == expected, draft
-        assert result["stats"]["prompt_cached"] > 40   # the document was not computed again
+        assert result["stats"]["prompt_cached"] > 40  # the document was not computed again
 
 
 def test_refusals(made, tmp_path):
     root, model_dir, _ = made
     file = str(root / "doc.safetensors")
-    code, _, err = cli(["generate", QUESTION, "--prompt-cache-file", file, "--draft", "model", "--draft-model",
-                        str(model_dir)])
+    code, _, err = cli(
+        [
+            "generate",
+            QUESTION,
+            "--prompt-cache-file",
+            file,
+            "--draft",
+            "model",
+            "--draft-model",
+            str(model_dir),
+        ]
+    )
     assert_one_line_error(code, err, "a prompt cache file holds no tokens, which this draft source reads")
-    other = tiny_chat_model_dir(tmp_path / "other", seed=1, num_key_value_heads=4)   # 4 KV heads, not 2
+    other = tiny_chat_model_dir(tmp_path / "other", seed=1, num_key_value_heads=4)  # 4 KV heads, not 2
     code, _, err = cli(["generate", QUESTION, "--prompt-cache-file", file, "--model", str(other)])
     assert_one_line_error(code, err, f"was made with the model {model_dir}, not {other}")
     cache, metadata = load_prompt_cache(file, return_metadata=True)
@@ -91,20 +121,24 @@ def test_refusals(made, tmp_path):
     assert_one_line_error(code, err, "no prompt cache file")
     # A bounded cache (cache_prompt --max-kv-size): a layer kind mlx-spec does not read.
     target = load_target(model_dir, "float32")
-    bounded = [RotatingKVCache(max_size=8, keep=4) for _ in target.layers]   # llama ignores max_kv_size
+    bounded = [RotatingKVCache(max_size=8, keep=4) for _ in target.layers]  # llama ignores max_kv_size
     target.model(mx.array([[1, 2, 3, 4, 5, 6, 7, 8, 9, 10]]), cache=bounded)
     save_prompt_cache(str(tmp_path / "bounded.safetensors"), bounded, {"model": str(model_dir)})
     code, _, err = cli(["generate", QUESTION, "--prompt-cache-file", str(tmp_path / "bounded.safetensors")])
-    assert_one_line_error(code, err, "holds RotatingKVCache: mlx-spec reads caches of KVCache, QuantizedKVCache")
+    assert_one_line_error(
+        code, err, "holds RotatingKVCache: mlx-spec reads caches of KVCache, QuantizedKVCache"
+    )
     (tmp_path / "pickled.safetensors").write_bytes(b"\x80\x04\x95 not safetensors")
     code, _, err = cli(["generate", QUESTION, "--prompt-cache-file", str(tmp_path / "pickled.safetensors")])
     assert_one_line_error(code, err, "cannot read the prompt cache file")
     # Quantized (cache_prompt --kv-bits): plain decoding continues it, speculation is refused.
     quantized = tmp_path / "quantized.safetensors"
-    target = cache_prompt(tiny_chat_model_dir(tmp_path / "head-dim-32", seed=1, num_attention_heads=2), quantized,
-                          kv_bits=8)
-    code, out, err = cli(["generate", QUESTION, "--prompt-cache-file", str(quantized), "--draft", "none",
-                          "-m", "12", "--json"])
+    target = cache_prompt(
+        tiny_chat_model_dir(tmp_path / "head-dim-32", seed=1, num_attention_heads=2), quantized, kv_bits=8
+    )
+    code, out, err = cli(
+        ["generate", QUESTION, "--prompt-cache-file", str(quantized), "--draft", "none", "-m", "12", "--json"]
+    )
     assert code == 0, err
     assert json.loads(out)["tokens"] == mlx_lm_continues(target, quantized, 12)
     code, _, err = cli(["generate", QUESTION, "--prompt-cache-file", str(quantized), "--draft", "lookup"])

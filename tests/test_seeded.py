@@ -23,7 +23,7 @@ MAX_TOKENS = 24
 
 @pytest.fixture(scope="module")
 def target():
-    return eagle_target()   # 4 layers: EAGLE-3 and DFlash both find their taps
+    return eagle_target()  # 4 layers: EAGLE-3 and DFlash both find their taps
 
 
 @pytest.fixture(scope="module")
@@ -39,12 +39,16 @@ def sources(target, tmp_path_factory):
         "eagle-tree": lambda: EagleDrafter(load_eagle3(eagle, target), vocab, tree_budget=6, tree_topk=2),
         "dflash": lambda: DFlashDrafter(target, dflash),
         "suffix": lambda: SuffixDrafter(8, None),
-        "suffix+eagle": lambda: Combined(SuffixDrafter(8, None), EagleDrafter(load_eagle3(eagle, target), vocab), 4),
+        "suffix+eagle": lambda: Combined(
+            SuffixDrafter(8, None), EagleDrafter(load_eagle3(eagle, target), vocab), 4
+        ),
     }
 
 
 @pytest.mark.parametrize("params", SETTINGS, ids=["t0.7", "t1.0"])
-@pytest.mark.parametrize("source", ["lookup", "model", "eagle", "eagle-tree", "dflash", "suffix", "suffix+eagle"])
+@pytest.mark.parametrize(
+    "source", ["lookup", "model", "eagle", "eagle-tree", "dflash", "suffix", "suffix+eagle"]
+)
 def test_same_seed_same_tokens_whatever_the_source(target, sources, source, params):
     prompt = repeated_prompt(14)
     plain = run(Engine(target, sampling=params, seed=7), prompt, MAX_TOKENS)[0]
@@ -52,7 +56,7 @@ def test_same_seed_same_tokens_whatever_the_source(target, sources, source, para
     proposed = 0
     for k in (1, 3, 8):
         engine = Engine(target, sources[source](), num_draft_tokens=k, sampling=params, seed=7)
-        for _ in range(3):   # the session's cache is reused from the second run on
+        for _ in range(3):  # the session's cache is reused from the second run on
             tokens, stats = run(engine, prompt, MAX_TOKENS)
             assert tokens == plain, (source, k)
             proposed += stats.verified_drafts
@@ -91,7 +95,7 @@ def test_stopping_early_changes_no_token(target, sources, source):
     from mlx_spec.policy import DraftPlan, DraftPolicy
     from test_policy import cpu_like_policy
 
-    class DraftsTheMost(DraftPolicy):   # so that every step drafts, and may stop early
+    class DraftsTheMost(DraftPolicy):  # so that every step drafts, and may stop early
         def plan(self, max_k):
             return DraftPlan(max_k)
 
@@ -99,8 +103,9 @@ def test_stopping_early_changes_no_token(target, sources, source):
     plain = run(Engine(target, sampling=params, seed=7), prompt, MAX_TOKENS)[0]
     policy = DraftsTheMost()
     policy.verify_cost, policy.draft_cost = cpu_like_policy().verify_cost, cpu_like_policy().draft_cost
-    engine = Engine(target, sources[source](), num_draft_tokens=8, sampling=params, seed=7, policy=policy,
-                    stop_early=True)
+    engine = Engine(
+        target, sources[source](), num_draft_tokens=8, sampling=params, seed=7, policy=policy, stop_early=True
+    )
     answers = []
     ask = engine.drafter.keep_drafting
     engine.drafter.keep_drafting = lambda confidence: answers.append(ask(confidence)) or answers[-1]

@@ -25,7 +25,9 @@ def drafter(method, target, tmp_path):
 @pytest.mark.parametrize("method", ["lookup", "eagle"])
 def test_conversations_switched_in_and_out_stay_lossless(method, tmp_path):
     target = eagle_target()
-    engine = Engine(target, drafter(method, target, tmp_path), num_draft_tokens=3, adaptive=False, sessions=True)
+    engine = Engine(
+        target, drafter(method, target, tmp_path), num_draft_tokens=3, adaptive=False, sessions=True
+    )
     sessions = SessionCache(engine, max_sessions=4)
     a, b = [1, 5, 7, 9, 11, 13, 2, 5, 7], [3, 4, 6, 8, 10, 3, 4, 6]
     replies = {}
@@ -39,12 +41,15 @@ def test_conversations_switched_in_and_out_stay_lossless(method, tmp_path):
         # The drafter drafts what it drafts from scratch: it was rebuilt on the conversation.
         fresh.reset()
         _, expected = run(fresh, prompt, MAX_TOKENS)
-        assert (stats.verified_drafts, stats.accepted_drafts) == (expected.verified_drafts, expected.accepted_drafts)
+        assert (stats.verified_drafts, stats.accepted_drafts) == (
+            expected.verified_drafts,
+            expected.accepted_drafts,
+        )
         return tokens, stats
 
     for name, prompt in (("a", a), ("b", b)):
         replies[name] = turn(prompt)[0]
-    assert engine.cached_tokens[:len(b)] == b and len(sessions.stored) == 1
+    assert engine.cached_tokens[: len(b)] == b and len(sessions.stored) == 1
     # Each conversation's next turn: the one that was put aside comes back with its cache.
     for name, prompt in (("a", a), ("b", b)):
         history = prompt + replies[name]
@@ -62,7 +67,7 @@ def test_a_stored_prefix_serves_every_prompt_that_branches_off_it(tmp_path):
     each reuse it, and the conversation itself stays whole for its next turn."""
     target = eagle_target()
     engine = Engine(target, LookupDrafter(), num_draft_tokens=3, sessions=True)
-    other = Engine(target, LookupDrafter(), num_draft_tokens=3, sessions=True)   # a second batch row
+    other = Engine(target, LookupDrafter(), num_draft_tokens=3, sessions=True)  # a second batch row
     sessions = SessionCache(engine, max_sessions=4)
     system = [1, 5, 7, 9, 11, 13, 2]
     first = system + [4, 4]

@@ -23,8 +23,8 @@ def test_the_index_finds_what_followed_the_longest_suffix():
     for token in [1, 2, 3, 9, 1, 2, 4, 1, 2]:
         index.append(token)
     n, continuations = index.continuations(depth=3)
-    assert n == 2   # "1 2": "9 1 2" and "4 1 2" never occurred before
-    assert continuations == [[4, 1, 2], [3, 9, 1]]   # most recent first
+    assert n == 2  # "1 2": "9 1 2" and "4 1 2" never occurred before
+    assert continuations == [[4, 1, 2], [3, 9, 1]]  # most recent first
     index.append(5)
     assert index.continuations(depth=3) == (0, [])
 
@@ -38,8 +38,9 @@ def test_the_tree_takes_the_most_probable_continuations():
     assert draft.confidence == pytest.approx([4 / 5.25, 1 / 5.25, 3 / 4.2, 1 / 4.2])
     assert expected == pytest.approx(4 / 5.25 + 1 / 5.25 + 4 / 5.25 * 3 / 4.2 + 4 / 5.25 * 1 / 4.2)
     # one occurrence is rated as prompt lookup rates a match of the same length
-    assert best_tree([[5, 6]], match_length=3, depth=2, budget=16, chain=True)[0].confidence == \
-        pytest.approx([3 / 4, 4 / 5])
+    assert best_tree([[5, 6]], match_length=3, depth=2, budget=16, chain=True)[0].confidence == pytest.approx(
+        [3 / 4, 4 / 5]
+    )
     chain, _ = best_tree(continuations, match_length=4, depth=2, budget=16, chain=True)
     assert chain.tokens == [5, 6] and chain.parents is None
     # a short match drafts at most FACTOR nodes per matched token; the budget and depth bound it too
@@ -60,12 +61,12 @@ def test_the_memory_persists_and_is_searched(tmp_path):
     memory = memory_at(path)
     memory.add([10, 11, 12, 13, 14])
     memory.add([20, 11, 12, 15])
-    assert memory.continuations([7, 11, 12], depth=2) == (2, [[15], [13, 14]])   # most recent first
+    assert memory.continuations([7, 11, 12], depth=2) == (2, [[15], [13, 14]])  # most recent first
     memory.save()
     again = memory_at(path)
     assert again.continuations([10, 11, 12], depth=2) == (3, [[13, 14]])
     assert again.continuations([99], depth=2) == (0, [])
-    again.add([30, 10, 11, 12, 16])   # merged into the built index
+    again.add([30, 10, 11, 12, 16])  # merged into the built index
     assert again.continuations([10, 11, 12], depth=2) == (3, [[16], [13, 14]])
 
 
@@ -77,8 +78,8 @@ def test_the_memory_is_bounded_oldest_first(tmp_path):
     assert 75 <= len(memory) <= 100
     reread = memory_at(tmp_path / "m.npz", max_tokens=100)
     assert len(reread) == len(memory)
-    assert reread.continuations([1029], depth=1) == (1, [[290]])   # the newest stays
-    assert reread.continuations([1000], depth=1) == (0, [])        # the oldest went
+    assert reread.continuations([1029], depth=1) == (1, [[290]])  # the newest stays
+    assert reread.continuations([1000], depth=1) == (0, [])  # the oldest went
 
 
 def test_a_write_is_atomic(tmp_path, monkeypatch):
@@ -154,7 +155,9 @@ def test_greedy_output_is_the_targets_trees_chains_and_memory(tmp_path):
     other = PROMPT + expected[:6]
     expected = plain_greedy(target.model, other, 30)
     without = run(Engine(target, SuffixDrafter(16, None), num_draft_tokens=8, adaptive=False), other, 30)
-    with_memory = run(Engine(target, SuffixDrafter(16, memory), num_draft_tokens=8, adaptive=False), other, 30)
+    with_memory = run(
+        Engine(target, SuffixDrafter(16, memory), num_draft_tokens=8, adaptive=False), other, 30
+    )
     assert without[0] == with_memory[0] == expected
     assert with_memory[1].accepted_drafts >= without[1].accepted_drafts + 20
 
@@ -193,7 +196,7 @@ def test_suffix_plus_runs_the_learned_drafter_only_where_the_match_is_weak():
     assert both.propose(4) is strong.draft and learned.proposed == 0
     both = Combined(weak, learned, 4)
     assert both.propose(4) is learned.draft and learned.proposed == 1
-    both.commit([4], 7, {})   # both members keep step with what was committed
+    both.commit([4], 7, {})  # both members keep step with what was committed
     assert weak.committed == learned.committed == [[4, 7]]
 
 
@@ -205,12 +208,14 @@ def test_generate_feeds_the_memory_and_prints_the_targets_text(tmp_path):
     code, plain, err = cli(args + ["--draft", "none"])
     assert code == 0, err
     tokens = json.loads(plain)["tokens"]
-    for _ in range(2):   # the second run drafts from the first one's output too
+    for _ in range(2):  # the second run drafts from the first one's output too
         code, out, err = cli(args + ["--draft", "suffix", "--suffix-memory", str(memory)])
         assert code == 0, err
         assert json.loads(out)["tokens"] == tokens
     with np.load(memory) as f:
         # each output with the end-of-text token that ended it (what comes after an answer is learnt too)
-        assert f["lengths"].tolist() == [len(tokens) + 1] * 2 and f["tokens"][:len(tokens)].tolist() == tokens
+        assert (
+            f["lengths"].tolist() == [len(tokens) + 1] * 2 and f["tokens"][: len(tokens)].tolist() == tokens
+        )
     code, _, err = cli(args + ["--draft", "suffix", "--suffix-memory", str(tmp_path)])
     assert_one_line_error(code, err, "--suffix-memory", "a directory")

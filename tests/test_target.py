@@ -55,7 +55,9 @@ def test_importing_mlx_before_mlx_spec_is_named():
     import sys
 
     def python(code):
-        out = subprocess.run([sys.executable, "-W", "always", "-c", code], capture_output=True, text=True, timeout=120)
+        out = subprocess.run(
+            [sys.executable, "-W", "always", "-c", code], capture_output=True, text=True, timeout=120
+        )
         assert out.returncode == 0, out.stderr
         return out
 

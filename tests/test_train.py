@@ -49,7 +49,13 @@ def data(target, tmp_path_factory):
     rows = []
     for i in range(8):
         prompt = [int(t) for t in rng.integers(1, VOCAB, size=int(rng.integers(4, 9)))]
-        rows.append({"id": f"p{i}", "prompt_tokens": prompt, "response_tokens": plain_greedy(target.model, prompt, 24)})
+        rows.append(
+            {
+                "id": f"p{i}",
+                "prompt_tokens": prompt,
+                "response_tokens": plain_greedy(target.model, prompt, 24),
+            }
+        )
     (path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     # Two of the training prompts as the dev split: what the layer learns shows in their tau.
     (path / "heldout.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:2]))
@@ -57,6 +63,7 @@ def data(target, tmp_path_factory):
 
 
 # --- pieces ---------------------------------------------------------------------------------------
+
 
 def test_block_mask_is_block_sparse():
     # Blocks of 3 at anchors 2 and 4 over 5 context positions: context < anchor, own block only.
@@ -78,7 +85,7 @@ def test_early_positions_weigh_more():
 
 def test_anchors_start_at_the_last_prompt_token():
     rng = np.random.default_rng(0)
-    assert sample_anchors(rng, 5, 9, 10).tolist() == [4, 5, 6, 7]      # all: 4 candidates
+    assert sample_anchors(rng, 5, 9, 10).tolist() == [4, 5, 6, 7]  # all: 4 candidates
     a = sample_anchors(rng, 5, 40, 6)
     assert len(set(a.tolist())) == 6 and a.min() >= 4 and a.max() <= 38 and (np.diff(a) > 0).all()
 
@@ -92,7 +99,7 @@ def test_draft_vocabulary_takes_the_most_frequent_response_tokens():
 
 def test_batches_depend_only_on_seed_and_step():
     steps = [batch_indices(5, 2, s, seed=1) for s in range(5)]
-    assert sorted(steps[0] + steps[1] + steps[2][:1]) == [0, 1, 2, 3, 4]   # an epoch: a permutation
+    assert sorted(steps[0] + steps[1] + steps[2][:1]) == [0, 1, 2, 3, 4]  # an epoch: a permutation
     assert batch_indices(5, 2, 3, seed=1) == steps[3] != batch_indices(5, 2, 3, seed=2)
 
 
@@ -134,41 +141,53 @@ def test_training_time_test_equals_chained_drafting(target):
     model = new_eagle_model(target, np.arange(20))
     n, steps = 9, 4
     tokens = mx.array(np.random.default_rng(1).integers(0, VOCAB, size=(1, n + steps)))
-    embeds = target.embed(tokens[:, 1:])                       # x_1 ..
+    embeds = target.embed(tokens[:, 1:])  # x_1 ..
     fused = model.fuse(mx.random.normal((1, n, 3 * 32)))
     outputs = ttt_forward(model, embeds, fused, steps)
     for t in (0, 3, n - 1):
         cache = model.make_cache()
-        hidden = model(embeds[:, :t + 1], fused[:, :t + 1], cache)[:, -1:]
+        hidden = model(embeds[:, : t + 1], fused[:, : t + 1], cache)[:, -1:]
         assert mx.allclose(hidden[0, 0], outputs[0][0, t], atol=1e-4)
         for j in range(1, steps):
-            hidden = model(embeds[:, t + j:t + j + 1], hidden, cache)
+            hidden = model(embeds[:, t + j : t + j + 1], hidden, cache)
             assert mx.allclose(hidden[0, 0], outputs[j][0, t], atol=1e-4), (t, j)
 
 
 def test_block_sparse_pass_equals_one_block_at_a_time(target):
     """All blocks in one forward = each block drafted alone over the context before its anchor
     (the inference path of models/dflash.py), sliding-window layers included."""
-    args = DFlashArgs(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                      intermediate_size=64, mask_token_id=0, block_size=4, target_layer_ids=[0, 2],
-                      layer_types=["full_attention", "sliding_attention"], sliding_window=5)
+    args = DFlashArgs(
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=64,
+        mask_token_id=0,
+        block_size=4,
+        target_layer_ids=[0, 2],
+        layer_types=["full_attention", "sliding_attention"],
+        sliding_window=5,
+    )
     mx.random.seed(2)
     model = DFlashModel(args)
     L, anchors = 12, [0, 3, 4, 11]
     features = mx.random.normal((1, L, 64))
     blocks = mx.random.normal((1, 4 * len(anchors), 32))
-    masks = [mx.array(block_mask(anchors, 4, L, layer.self_attn.sliding_window))[None, None]
-             for layer in model.layers]
+    masks = [
+        mx.array(block_mask(anchors, 4, L, layer.self_attn.sliding_window))[None, None]
+        for layer in model.layers
+    ]
     hidden = block_sparse_forward(model, features, blocks, mx.array([anchors]), masks)
     for j, a in enumerate(anchors):
         cache = model.make_cache()
         if a:
             model.append_context(features[:, :a], cache)
-        alone = model(blocks[:, 4 * j:4 * j + 4], cache)
-        assert mx.allclose(alone, hidden[:, 4 * j:4 * j + 4], atol=1e-4), a
+        alone = model(blocks[:, 4 * j : 4 * j + 4], cache)
+        assert mx.allclose(alone, hidden[:, 4 * j : 4 * j + 4], atol=1e-4), a
 
 
 # --- training -------------------------------------------------------------------------------------
+
 
 def first_and_last(losses, k=3):
     return float(np.mean(losses[:k])), float(np.mean(losses[-k:]))
@@ -191,23 +210,40 @@ def test_sampled_dev_evaluation_is_reproducible_per_seed(target, data):
     from mlx_spec.train.loop import DevEvaluation
 
     def evaluate(seeds, temp=1.0):
-        return DevEvaluation(target, data, lambda model: make_drafter("lookup", target, {}), prompts=2,
-                             max_tokens=16, sampling=SamplingParams(temp=temp), seeds=seeds)
+        return DevEvaluation(
+            target,
+            data,
+            lambda model: make_drafter("lookup", target, {}),
+            prompts=2,
+            max_tokens=16,
+            sampling=SamplingParams(temp=temp),
+            seeds=seeds,
+        )
 
     assert evaluate((0, 1), temp=0.0).seeds == [0] and evaluate((0, 1)).seeds == [0, 1]
     taus = {seeds: [evaluate(seeds)(None)["dev_tau"] for _ in range(2)] for seeds in ((0,), (1,), (0, 1))}
     assert all(a == b and 1.0 <= a for a, b in taus.values()), taus
-    assert len({t[0] for t in taus.values()}) > 1, taus   # the seeds draw different text
+    assert len({t[0] for t in taus.values()}) > 1, taus  # the seeds draw different text
 
 
 def test_eagle_training_lowers_the_loss_and_drafts_losslessly(target, data, tmp_path):
-    options = EagleOptions(steps=30, batch_size=4, lr=3e-3, warmup=0, ttt_steps=3, draft_vocab_size=24,
-                           save_every=0, save_dtype="float16", eval_every=20, eval_prompts=2)
+    options = EagleOptions(
+        steps=30,
+        batch_size=4,
+        lr=3e-3,
+        warmup=0,
+        ttt_steps=3,
+        draft_vocab_size=24,
+        save_every=0,
+        save_dtype="float16",
+        eval_every=20,
+        eval_prompts=2,
+    )
     result = train_eagle(target, data, tmp_path / "eagle", options, feature_dir=None)
     first, last = first_and_last(result.losses)
     assert result.step == 30 and last < 0.6 * first, result.losses
     log = [json.loads(line) for line in (tmp_path / "eagle" / "train_log.jsonl").read_text().splitlines()]
-    dev = [r for r in log if "dev_tau" in r]   # before the first step, every 20 steps, at the end
+    dev = [r for r in log if "dev_tau" in r]  # before the first step, every 20 steps, at the end
     assert [r["step"] for r in dev] == [0, 20, 30] and all(r["dev_prompts"] == 2 for r in dev)
     assert 1.0 <= dev[0]["dev_tau"] < dev[-1]["dev_tau"] <= 5.0, dev
     config = json.loads((tmp_path / "eagle" / "config.json").read_text())
@@ -222,7 +258,7 @@ def test_eagle_training_lowers_the_loss_and_drafts_losslessly(target, data, tmp_
     engine = Engine(target, EagleDrafter(model, VOCAB), num_draft_tokens=4, adaptive=False)
     tokens, stats = run(engine, prompt, 24)
     assert tokens == plain_greedy(target.model, prompt, 24)
-    assert stats.accepted_drafts > 0          # it learned something of the target's answers
+    assert stats.accepted_drafts > 0  # it learned something of the target's answers
 
 
 def test_eagle_soft_labels_are_the_targets_distribution_over_the_draft_vocabulary(target, data, tmp_path):
@@ -238,11 +274,16 @@ def test_eagle_soft_labels_are_the_targets_distribution_over_the_draft_vocabular
     model = new_eagle_model(target, draft_vocabulary(sequences, VOCAB, 20), [1, 2, 3])
     ids = np.array(model.draft_ids)
     store = FeatureStore(target, list(model.taps) + [target.num_layers - 1])
-    embeds, features, labels, weights = make_eagle_batch(target, model, store, sequences, 2,
-                                                         target_to_draft(model), target_head(target, model))
-    hard = make_eagle_batch(target, model, FeatureStore(target, model.taps), sequences, 2, target_to_draft(model))
+    embeds, features, labels, weights = make_eagle_batch(
+        target, model, store, sequences, 2, target_to_draft(model), target_head(target, model)
+    )
+    hard = make_eagle_batch(
+        target, model, FeatureStore(target, model.taps), sequences, 2, target_to_draft(model)
+    )
     assert mx.array_equal(features, hard[1]) and mx.array_equal(embeds, hard[0])
-    assert (np.array(weights) >= np.array(hard[3])).all() and np.array(weights).sum() > np.array(hard[3]).sum()
+    assert (np.array(weights) >= np.array(hard[3])).all() and np.array(weights).sum() > np.array(
+        hard[3]
+    ).sum()
     n = features.shape[1]
     for j in range(2):
         for i, seq in enumerate(sequences):
@@ -251,15 +292,33 @@ def test_eagle_soft_labels_are_the_targets_distribution_over_the_draft_vocabular
                 assert t + 2 + j <= len(seq.tokens) - 1 and t < n
                 expected = mx.softmax(logits[0, t + 1 + j][mx.array(ids)])
                 assert mx.allclose(labels[j, i, t], expected, atol=1e-5), (j, i, t)
-    result = train_eagle(target, data, tmp_path / "soft", EagleOptions(
-        steps=30, batch_size=4, lr=3e-3, warmup=0, ttt_steps=2, draft_vocab_size=24, save_every=0,
-        layer_ids=[1, 2, 3], labels="soft"), feature_dir=tmp_path / "features")
+    result = train_eagle(
+        target,
+        data,
+        tmp_path / "soft",
+        EagleOptions(
+            steps=30,
+            batch_size=4,
+            lr=3e-3,
+            warmup=0,
+            ttt_steps=2,
+            draft_vocab_size=24,
+            save_every=0,
+            layer_ids=[1, 2, 3],
+            labels="soft",
+        ),
+        feature_dir=tmp_path / "features",
+    )
     first, last = first_and_last(result.losses)
-    assert last < first - 0.5, result.losses   # a cross-entropy with soft labels ends at their entropy
-    assert (tmp_path / "features" / "taps_0_1_2_3").is_dir()   # the fused taps, then the last layer
+    assert last < first - 0.5, result.losses  # a cross-entropy with soft labels ends at their entropy
+    assert (tmp_path / "features" / "taps_0_1_2_3").is_dir()  # the fused taps, then the last layer
     prompt = json.loads((data / "train.jsonl").read_text().splitlines()[0])["prompt_tokens"]
-    engine = Engine(target, EagleDrafter(load_eagle3(tmp_path / "soft", target), VOCAB), num_draft_tokens=4,
-                    adaptive=False)
+    engine = Engine(
+        target,
+        EagleDrafter(load_eagle3(tmp_path / "soft", target), VOCAB),
+        num_draft_tokens=4,
+        adaptive=False,
+    )
     tokens, stats = run(engine, prompt, 24)
     assert tokens == plain_greedy(target.model, prompt, 24) and stats.accepted_drafts > 0
 
@@ -270,7 +329,9 @@ def test_mtp_training_time_test_equals_chained_drafting(target):
     from mlx_spec.train.mtp import ttt_forward as mtp_ttt_forward
 
     model = new_mtp_model(target)
-    model.update(tree_map(lambda p: p + 0.05 * mx.random.normal(p.shape, key=mx.random.key(2)), model.parameters()))
+    model.update(
+        tree_map(lambda p: p + 0.05 * mx.random.normal(p.shape, key=mx.random.key(2)), model.parameters())
+    )
     n, steps = 9, 3
     tokens = mx.array(np.random.default_rng(1).integers(0, VOCAB, size=(1, n + steps)))
     embeds = target.embed(tokens[:, 1:])
@@ -278,10 +339,10 @@ def test_mtp_training_time_test_equals_chained_drafting(target):
     outputs = mtp_ttt_forward(model, embeds, hidden, steps)
     for t in (0, 4, n - 1):
         cache = model.make_cache()
-        out = model(embeds[:, :t + 1], hidden[:, :t + 1], cache)[:, -1:]
+        out = model(embeds[:, : t + 1], hidden[:, : t + 1], cache)[:, -1:]
         assert mx.allclose(out[0, 0], outputs[0][0, t], atol=1e-4)
         for j in range(1, steps):
-            out = model(embeds[:, t + j:t + j + 1], out, cache)
+            out = model(embeds[:, t + j : t + j + 1], out, cache)
             assert mx.allclose(out[0, 0], outputs[j][0, t], atol=1e-4), (t, j)
 
 
@@ -294,13 +355,22 @@ def test_mtp_and_medusa_training_lower_the_loss_and_draft_losslessly(target, dat
     from mlx_spec.train.mtp import MTPOptions, train_mtp
 
     if kind == "mtp":
-        result = train_mtp(target, data, tmp_path / kind, MTPOptions(steps=40, batch_size=4, lr=3e-3, warmup=0,
-                                                                     ttt_steps=2, save_every=0), feature_dir=None)
+        result = train_mtp(
+            target,
+            data,
+            tmp_path / kind,
+            MTPOptions(steps=40, batch_size=4, lr=3e-3, warmup=0, ttt_steps=2, save_every=0),
+            feature_dir=None,
+        )
         drafter = EagleDrafter(load_mtp(tmp_path / kind, target), VOCAB)
     else:
-        result = train_medusa(target, data, tmp_path / kind, MedusaOptions(steps=40, batch_size=4, lr=1e-2, warmup=0,
-                                                                           heads=3, rows_per_head=32, save_every=0),
-                              feature_dir=None)
+        result = train_medusa(
+            target,
+            data,
+            tmp_path / kind,
+            MedusaOptions(steps=40, batch_size=4, lr=1e-2, warmup=0, heads=3, rows_per_head=32, save_every=0),
+            feature_dir=None,
+        )
         drafter = MedusaDrafter(target, load_medusa(tmp_path / kind, target))
     first, last = first_and_last(result.losses)
     assert result.step == 40 and last < 0.7 * first, result.losses
@@ -319,18 +389,31 @@ def test_mtp_continued_with_a_reduced_vocabulary_trains_over_it(target, data, tm
 
     options = dict(batch_size=4, lr=3e-3, warmup=0, ttt_steps=2, save_every=0)
     train_mtp(target, data, tmp_path / "a", MTPOptions(steps=20, **options), feature_dir=None)
-    answers = [json.loads(line)["response_tokens"] for line in (data / "train.jsonl").read_text().splitlines()]
+    answers = [
+        json.loads(line)["response_tokens"] for line in (data / "train.jsonl").read_text().splitlines()
+    ]
     ids = vocabulary.frequent_ids(answers, VOCAB, 12)
     vocabulary.write(tmp_path / "a", ids)
     model = load_mtp(tmp_path / "a", target)
     index = draft_index(model, VOCAB)
     assert sorted(index[index >= 0]) == list(range(12)) and all(index[ids] == np.arange(12))
-    train_mtp(target, data, tmp_path / "b", MTPOptions(steps=10, init=str(tmp_path / "a"), **options),
-              feature_dir=None)
+    train_mtp(
+        target,
+        data,
+        tmp_path / "b",
+        MTPOptions(steps=10, init=str(tmp_path / "a"), **options),
+        feature_dir=None,
+    )
     (tmp_path / "b" / vocabulary.FILE).unlink()
     # Resumed (the checkpoint has the weights, not the vocabulary): it goes on over the same one.
-    result = train_mtp(target, data, tmp_path / "b", MTPOptions(steps=20, init=str(tmp_path / "a"), **options),
-                       feature_dir=None, resume=True)
+    result = train_mtp(
+        target,
+        data,
+        tmp_path / "b",
+        MTPOptions(steps=20, init=str(tmp_path / "a"), **options),
+        feature_dir=None,
+        resume=True,
+    )
     first, last = first_and_last(result.losses)
     assert result.step == 20 and np.isfinite(result.losses).all() and last < np.log(12) + 1, result.losses
     assert list(vocabulary.read(tmp_path / "b", VOCAB)) == list(ids)
@@ -351,19 +434,24 @@ def test_mtp_soft_labels_are_the_targets_distribution_and_train(target, data, tm
 
     model = new_mtp_model(target)
     sequences = load_sequences(data, 1024)[:2]
-    _, _, rows, labels = make_mtp_batch(target, model, FeatureStore(target, model.taps), sequences, 2,
-                                        target_head(target, model))
+    _, _, rows, labels = make_mtp_batch(
+        target, model, FeatureStore(target, model.taps), sequences, 2, target_head(target, model)
+    )
     n = max(len(s.tokens) for s in sequences) - 1
     for j in range(2):
         for k, flat in enumerate(rows[j].tolist()):
             i, t = divmod(flat, n)
             logits, _ = target.forward(mx.array(sequences[i].tokens)[None], make_prompt_cache(target.model))
             assert mx.allclose(labels[j][k], mx.softmax(logits[0, t + 1 + j]), atol=1e-5), (j, k)
-    result = train_mtp(target, data, tmp_path / "soft", MTPOptions(steps=40, batch_size=4, lr=3e-3, warmup=0,
-                                                                   ttt_steps=2, save_every=0, labels="soft"),
-                       feature_dir=None)
+    result = train_mtp(
+        target,
+        data,
+        tmp_path / "soft",
+        MTPOptions(steps=40, batch_size=4, lr=3e-3, warmup=0, ttt_steps=2, save_every=0, labels="soft"),
+        feature_dir=None,
+    )
     first, last = first_and_last(result.losses)
-    assert last < first - 0.5, result.losses   # a cross-entropy with soft labels ends at their entropy
+    assert last < first - 0.5, result.losses  # a cross-entropy with soft labels ends at their entropy
     prompt = json.loads((data / "train.jsonl").read_text().splitlines()[0])["prompt_tokens"]
     drafter = EagleDrafter(load_mtp(tmp_path / "soft", target), VOCAB)
     tokens, stats = run(Engine(target, drafter, num_draft_tokens=3, adaptive=False), prompt, 24)
@@ -371,8 +459,17 @@ def test_mtp_soft_labels_are_the_targets_distribution_and_train(target, data, tm
 
 
 def test_dflash_training_lowers_the_loss_and_drafts_losslessly(target, data, tmp_path):
-    options = DFlashOptions(steps=60, batch_size=2, lr=3e-3, warmup=0, layers=2, block_size=4,
-                            target_layers=[0, 2], blocks_per_sequence=8, save_every=0)
+    options = DFlashOptions(
+        steps=60,
+        batch_size=2,
+        lr=3e-3,
+        warmup=0,
+        layers=2,
+        block_size=4,
+        target_layers=[0, 2],
+        blocks_per_sequence=8,
+        save_every=0,
+    )
     result = train_dflash(target, data, tmp_path / "dflash", options, feature_dir=tmp_path / "features")
     first, last = first_and_last(result.losses)
     assert result.step == 60 and last < 0.6 * first, result.losses
@@ -392,12 +489,32 @@ def test_dflash_training_lowers_the_loss_and_drafts_losslessly(target, data, tmp
 @pytest.mark.parametrize("kind", ["eagle", "dflash"])
 def test_resume_continues_as_an_uninterrupted_run(target, data, tmp_path, kind):
     if kind == "eagle":
-        train, make = train_eagle, lambda steps, every: EagleOptions(
-            steps=steps, batch_size=3, lr=3e-3, warmup=2, ttt_steps=2, draft_vocab_size=20, save_every=every)
+        train, make = (
+            train_eagle,
+            lambda steps, every: EagleOptions(
+                steps=steps,
+                batch_size=3,
+                lr=3e-3,
+                warmup=2,
+                ttt_steps=2,
+                draft_vocab_size=20,
+                save_every=every,
+            ),
+        )
     else:
-        train, make = train_dflash, lambda steps, every: DFlashOptions(
-            steps=steps, batch_size=3, lr=3e-3, warmup=2, layers=1, block_size=4, blocks_per_sequence=4,
-            save_every=every)
+        train, make = (
+            train_dflash,
+            lambda steps, every: DFlashOptions(
+                steps=steps,
+                batch_size=3,
+                lr=3e-3,
+                warmup=2,
+                layers=1,
+                block_size=4,
+                blocks_per_sequence=4,
+                save_every=every,
+            ),
+        )
     straight = train(target, data, tmp_path / "straight", make(6, 0), feature_dir=None)
     losses = []
 
@@ -406,7 +523,7 @@ def test_resume_continues_as_an_uninterrupted_run(target, data, tmp_path, kind):
             raise KeyboardInterrupt
         losses.append(record["loss"])
 
-    with pytest.raises(KeyboardInterrupt):   # checkpoints every 2 steps: step 5 is lost
+    with pytest.raises(KeyboardInterrupt):  # checkpoints every 2 steps: step 5 is lost
         train(target, data, tmp_path / "split", make(6, 2), feature_dir=None, progress=interrupt_at_step_5)
     with pytest.raises(MlxSpecError, match="--resume"):
         train(target, data, tmp_path / "split", make(6, 2), feature_dir=None)
@@ -442,12 +559,15 @@ def test_bad_input_is_one_line(target, tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(MlxSpecError, match="no training data"):
         train_dflash(target, tmp_path / "empty", tmp_path / "out")
-    (tmp_path / "empty" / "train.jsonl").write_text(json.dumps({"prompt_tokens": [1], "response_tokens": []}) + "\n")
+    (tmp_path / "empty" / "train.jsonl").write_text(
+        json.dumps({"prompt_tokens": [1], "response_tokens": []}) + "\n"
+    )
     with pytest.raises(MlxSpecError, match="no usable training rows"):
         train_eagle(target, tmp_path / "empty", tmp_path / "out")
 
 
 # --- the command line -----------------------------------------------------------------------------
+
 
 def cli(*args):
     """`mlx-spec train ...` in this process (exit code, stderr)."""
@@ -464,36 +584,83 @@ def test_cli_trains_both_and_reports_bad_input_in_one_line(tmp_path):
     data = tmp_path / "data"
     data.mkdir()
     rng = np.random.default_rng(0)
-    rows = [{"id": str(i), "prompt_tokens": [1] + rng.integers(3, 400, 6).tolist(),
-             "response_tokens": rng.integers(3, 400, 12).tolist() + [2]} for i in range(3)]
+    rows = [
+        {
+            "id": str(i),
+            "prompt_tokens": [1] + rng.integers(3, 400, 6).tolist(),
+            "response_tokens": rng.integers(3, 400, 12).tolist() + [2],
+        }
+        for i in range(3)
+    ]
     (data / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     common = ["--target", str(model), "--data", str(data), "--steps", "2", "--warmup", "0"]
-    code, err = cli("eagle", *common, "--out", str(tmp_path / "e"), "--ttt-steps", "2",
-                    "--draft-vocab-size", "64", "--layer-ids", "0,1,2")
+    code, err = cli(
+        "eagle",
+        *common,
+        "--out",
+        str(tmp_path / "e"),
+        "--ttt-steps",
+        "2",
+        "--draft-vocab-size",
+        "64",
+        "--layer-ids",
+        "0,1,2",
+    )
     assert code == 0, err
     assert "2 steps, last loss" in err and "loss" in err
     code, err = cli("medusa", *common, "--out", str(tmp_path / "m0"), "--eval-every", "1")
     assert code == 1 and err.count("\n") == 1 and "needs held-out prompts" in err, err
-    other = tmp_path / "other"   # the dev prompts of another data set: runs on different data compared
+    other = tmp_path / "other"  # the dev prompts of another data set: runs on different data compared
     other.mkdir()
     (other / "heldout.jsonl").write_text(json.dumps(rows[1]) + "\n")
-    code, err = cli("medusa", *common, "--out", str(tmp_path / "m1"), "--heads", "2", "--rows-per-head", "8",
-                    "--eval-every", "2", "--eval-data", str(other))
+    code, err = cli(
+        "medusa",
+        *common,
+        "--out",
+        str(tmp_path / "m1"),
+        "--heads",
+        "2",
+        "--rows-per-head",
+        "8",
+        "--eval-every",
+        "2",
+        "--eval-data",
+        str(other),
+    )
     assert code == 0, err
-    assert [r["dev_prompts"] for r in map(json.loads, (tmp_path / "m1" / "train_log.jsonl").read_text().splitlines())
-            if "dev_tau" in r] == [1, 1]
+    assert [
+        r["dev_prompts"]
+        for r in map(json.loads, (tmp_path / "m1" / "train_log.jsonl").read_text().splitlines())
+        if "dev_tau" in r
+    ] == [1, 1]
     (data / "heldout.jsonl").write_text(json.dumps(rows[0]) + "\n")
-    code, err = cli("dflash", *common, "--out", str(tmp_path / "d"), "--layers", "1", "--block-size", "4",
-                    "--target-layers", "0,1", "--eval-every", "2", "--eval-prompts", "1")
+    code, err = cli(
+        "dflash",
+        *common,
+        "--out",
+        str(tmp_path / "d"),
+        "--layers",
+        "1",
+        "--block-size",
+        "4",
+        "--target-layers",
+        "0,1",
+        "--eval-every",
+        "2",
+        "--eval-prompts",
+        "1",
+    )
     assert code == 0, err
     log = [json.loads(line) for line in (tmp_path / "d" / "train_log.jsonl").read_text().splitlines()]
     assert [r["step"] for r in log if "dev_tau" in r] == [0, 2]
     config = json.loads((tmp_path / "d" / "config.json").read_text())
     assert config["dflash_config"]["target_layer_ids"] == [0, 1]
-    assert config["dflash_config"]["mask_token_id"] == 0        # SmolLM2's unk: <|endoftext|>
+    assert config["dflash_config"]["mask_token_id"] == 0  # SmolLM2's unk: <|endoftext|>
 
     for kind, extra in (("mtp", ["--ttt-steps", "2"]), ("medusa", ["--heads", "2", "--rows-per-head", "8"])):
-        code, err = cli(kind, *common, "--out", str(tmp_path / kind), *extra, "--eval-every", "1", "--eval-prompts", "1")
+        code, err = cli(
+            kind, *common, "--out", str(tmp_path / kind), *extra, "--eval-every", "1", "--eval-prompts", "1"
+        )
         assert code == 0 and "2 steps, last loss" in err, err
         log = [json.loads(line) for line in (tmp_path / kind / "train_log.jsonl").read_text().splitlines()]
         assert [r["step"] for r in log if "dev_tau" in r] == [0, 1, 2]
@@ -504,5 +671,10 @@ def test_cli_trains_both_and_reports_bad_input_in_one_line(tmp_path):
 
     code, err = cli("dflash", *common, "--out", str(tmp_path / "d"))
     assert code == 1 and err.count("\n") == 1 and "pass --resume" in err, err
-    code, err = cli("eagle", "--target", str(model), "--data", str(tmp_path / "nowhere"), "--out", str(tmp_path / "x"))
-    assert code == 1 and err.strip() == f"Error: training data not found: {tmp_path / 'nowhere'} is not a directory"
+    code, err = cli(
+        "eagle", "--target", str(model), "--data", str(tmp_path / "nowhere"), "--out", str(tmp_path / "x")
+    )
+    assert (
+        code == 1
+        and err.strip() == f"Error: training data not found: {tmp_path / 'nowhere'} is not a directory"
+    )

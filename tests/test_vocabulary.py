@@ -31,7 +31,7 @@ PROMPT = [1, 5, 7, 9, 11, 13, 2, 5, 7, 9, 11, 13, 2, 5]
 
 def test_frequent_ids_and_d2t_round_trip(tmp_path):
     ids = vocabulary.frequent_ids([[3, 3, 9, 1], [9, 9, 3, 0]], 12, 3)
-    assert ids.tolist() == [0, 3, 9]            # counts 3:3, 9:3, then 0 and 1 tie at 1: lower id
+    assert ids.tolist() == [0, 3, 9]  # counts 3:3, 9:3, then 0 and 1 tie at 1: lower id
     vocabulary.write(tmp_path, ids)
     assert vocabulary.read(tmp_path, 12).tolist() == [0, 3, 9]
     assert vocabulary.read(tmp_path / "missing", 12) is None
@@ -63,7 +63,7 @@ def test_a_bad_vocabulary_file_is_one_line(tmp_path):
 
 
 def half_vocabulary(path, vocab_size, seed=0):
-    ids = np.sort(np.random.default_rng(seed).permutation(vocab_size)[:vocab_size // 2])
+    ids = np.sort(np.random.default_rng(seed).permutation(vocab_size)[: vocab_size // 2])
     vocabulary.write(path, ids)
     return ids
 
@@ -99,14 +99,20 @@ def test_mtp_drafts_inside_its_vocabulary(tmp_path):
 @pytest.mark.parametrize("tree_budget", [0, 6], ids=["chain", "tree"])
 def test_medusa_drafts_inside_its_vocabulary(tmp_path, compact, tree_budget):
     target = tiny_target(scale=3.0)
-    path = write_medusa(tmp_path / "m", random_heads(64, 32, compact=compact), extra={"medusa_shared_head": compact})
+    path = write_medusa(
+        tmp_path / "m", random_heads(64, 32, compact=compact), extra={"medusa_shared_head": compact}
+    )
     full = load_medusa(path, target)
     ids = half_vocabulary(path, target.vocab_size, seed=1)
     model = load_medusa(path, target)
     hidden = model.fuse(mx.random.normal((1, 64), key=mx.random.key(1)))
     assert np.allclose(np.array(model(hidden, 4)), np.array(full(hidden, 4))[..., ids], atol=1e-4)
-    engine = Engine(target, MedusaDrafter(target, model, tree_budget=tree_budget, tree_topk=3), num_draft_tokens=3,
-                    adaptive=False)
+    engine = Engine(
+        target,
+        MedusaDrafter(target, model, tree_budget=tree_budget, tree_topk=3),
+        num_draft_tokens=3,
+        adaptive=False,
+    )
     assert only_inside(engine, ids, PROMPT, 40)[0] == plain_greedy(target.model, PROMPT, 40)
 
 
@@ -127,8 +133,15 @@ def test_mtp_samples_exactly_with_a_reduced_vocabulary(tmp_path):
     path, target, _, _ = write_published(tmp_path, "llama", seed=2, vocab_size=VOCAB, scale=2.0)
     half_vocabulary(path, VOCAB, seed=3)
     params = SamplingParams(temp=1.0)
-    engine = Engine(target, EagleDrafter(load_mtp(path, target), VOCAB), num_draft_tokens=3, sampling=params,
-                    residual=True, seed=1, adaptive=False)
+    engine = Engine(
+        target,
+        EagleDrafter(load_mtp(path, target), VOCAB),
+        num_draft_tokens=3,
+        sampling=params,
+        residual=True,
+        seed=1,
+        adaptive=False,
+    )
     pvalue = sampling_pvalue(engine, repeated_prompt(), params)
     assert pvalue > STRICT, f"p = {pvalue:.2e}"
 
@@ -138,7 +151,13 @@ def test_medusa_tree_samples_exactly_with_a_reduced_vocabulary(tmp_path):
     path = write_medusa(tmp_path / "m", random_heads(64, VOCAB, seed=2))
     half_vocabulary(path, VOCAB, seed=5)
     params = SamplingParams(temp=1.0)
-    engine = Engine(target, MedusaDrafter(target, load_medusa(path, target), tree_budget=6, tree_topk=2),
-                    num_draft_tokens=3, sampling=params, seed=1, adaptive=False)
+    engine = Engine(
+        target,
+        MedusaDrafter(target, load_medusa(path, target), tree_budget=6, tree_topk=2),
+        num_draft_tokens=3,
+        sampling=params,
+        seed=1,
+        adaptive=False,
+    )
     pvalue = sampling_pvalue(engine, repeated_prompt(), params)
     assert pvalue > STRICT, f"p = {pvalue:.2e}"

@@ -17,37 +17,110 @@ from tiny import ScriptedDrafter, plain_greedy, run, tiny_target
 
 WINDOW = 8
 WINDOWED = {
-    "gemma3_text": dict(head_dim=16, sliding_window=WINDOW, sliding_window_pattern=2,
-                        query_pre_attn_scalar=16, num_hidden_layers=4),
-    "gpt_oss": dict(head_dim=16, sliding_window=WINDOW, num_local_experts=4, num_experts_per_tok=2,
-                    intermediate_size=64, num_hidden_layers=4,
-                    layer_types=["sliding_attention", "full_attention"] * 2),
+    "gemma3_text": dict(
+        head_dim=16,
+        sliding_window=WINDOW,
+        sliding_window_pattern=2,
+        query_pre_attn_scalar=16,
+        num_hidden_layers=4,
+    ),
+    "gpt_oss": dict(
+        head_dim=16,
+        sliding_window=WINDOW,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+    ),
     # chunked attention (ChunkedKVCache, which drops the previous chunk) in three layers of four
-    "llama4": dict(num_hidden_layers=4, text_config=dict(
-        model_type="llama4_text", hidden_size=64, num_hidden_layers=4, intermediate_size=128, head_dim=16,
-        num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=32,
-        max_position_embeddings=1024, rope_theta=10000.0, rope_scaling=None, attention_bias=False,
-        attention_chunk_size=WINDOW, interleave_moe_layer_step=2, intermediate_size_mlp=128,
-        num_experts_per_tok=1, num_local_experts=2, use_qk_norm=True)),
+    "llama4": dict(
+        num_hidden_layers=4,
+        text_config=dict(
+            model_type="llama4_text",
+            hidden_size=64,
+            num_hidden_layers=4,
+            intermediate_size=128,
+            head_dim=16,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            rms_norm_eps=1e-5,
+            vocab_size=32,
+            max_position_embeddings=1024,
+            rope_theta=10000.0,
+            rope_scaling=None,
+            attention_bias=False,
+            attention_chunk_size=WINDOW,
+            interleave_moe_layer_step=2,
+            intermediate_size_mlp=128,
+            num_experts_per_tok=1,
+            num_local_experts=2,
+            use_qk_norm=True,
+        ),
+    ),
 }
 RECURRENT = {
-    "qwen3_next": dict(head_dim=16, linear_num_value_heads=2, linear_num_key_heads=2,
-                       linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
-                       num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1,
-                       shared_expert_intermediate_size=64, mlp_only_layers=[], moe_intermediate_size=32,
-                       partial_rotary_factor=0.25, full_attention_interval=2, num_hidden_layers=4),
-    "qwen3_5": dict(head_dim=16, linear_num_value_heads=2, linear_num_key_heads=2, linear_key_head_dim=16,
-                    linear_value_head_dim=16, linear_conv_kernel_dim=4, full_attention_interval=2,
-                    num_hidden_layers=4),
-    "mamba2": dict(num_heads=4, head_dim=16, intermediate_size=64, state_size=16, layer_norm_epsilon=1e-5,
-                   conv_kernel=4, n_groups=1, use_bias=False, use_conv_bias=True,
-                   time_step_limit=[0.0, float("inf")], time_step_rank="auto"),
+    "qwen3_next": dict(
+        head_dim=16,
+        linear_num_value_heads=2,
+        linear_num_key_heads=2,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        linear_conv_kernel_dim=4,
+        num_experts=4,
+        num_experts_per_tok=2,
+        decoder_sparse_step=1,
+        shared_expert_intermediate_size=64,
+        mlp_only_layers=[],
+        moe_intermediate_size=32,
+        partial_rotary_factor=0.25,
+        full_attention_interval=2,
+        num_hidden_layers=4,
+    ),
+    "qwen3_5": dict(
+        head_dim=16,
+        linear_num_value_heads=2,
+        linear_num_key_heads=2,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        linear_conv_kernel_dim=4,
+        full_attention_interval=2,
+        num_hidden_layers=4,
+    ),
+    "mamba2": dict(
+        num_heads=4,
+        head_dim=16,
+        intermediate_size=64,
+        state_size=16,
+        layer_norm_epsilon=1e-5,
+        conv_kernel=4,
+        n_groups=1,
+        use_bias=False,
+        use_conv_bias=True,
+        time_step_limit=[0.0, float("inf")],
+        time_step_rank="auto",
+    ),
     # Mamba and attention in every layer: a CacheList of both
-    "falcon_h1": dict(head_dim=16, mamba_d_conv=4, mamba_d_head=16, mamba_d_ssm=64, mamba_d_state=16,
-                      mamba_n_heads=4, mamba_chunk_size=8),
-    "lfm2": dict(norm_eps=1e-5, conv_bias=False, conv_L_cache=3, block_dim=64, block_multiple_of=16,
-                 block_ffn_dim_multiplier=1.0, block_auto_adjust_ff_dim=False, num_hidden_layers=4,
-                 layer_types=["conv", "full_attention", "conv", "full_attention"]),
+    "falcon_h1": dict(
+        head_dim=16,
+        mamba_d_conv=4,
+        mamba_d_head=16,
+        mamba_d_ssm=64,
+        mamba_d_state=16,
+        mamba_n_heads=4,
+        mamba_chunk_size=8,
+    ),
+    "lfm2": dict(
+        norm_eps=1e-5,
+        conv_bias=False,
+        conv_L_cache=3,
+        block_dim=64,
+        block_multiple_of=16,
+        block_ffn_dim_multiplier=1.0,
+        block_auto_adjust_ff_dim=False,
+        num_hidden_layers=4,
+        layer_types=["conv", "full_attention", "conv", "full_attention"],
+    ),
 }
 # Repeats itself (lookup drafts) and is longer than the window.
 PROMPT = [1, 5, 7, 9, 11, 13, 2, 5, 7, 9, 11, 13, 2, 5, 7, 9, 11, 13, 2, 5, 7]
@@ -82,7 +155,7 @@ def test_chat_crossing_the_window_stays_identical(arch):
         expected = plain_greedy(target.model, context, 9)
         tokens, _ = run(engine, context, 9)
         assert tokens == expected, turn
-        context = context + tokens + [3, 5, 7, 9][:turn + 1]
+        context = context + tokens + [3, 5, 7, 9][: turn + 1]
     assert len(context) > 3 * WINDOW
 
 
@@ -112,10 +185,12 @@ def draft_model_for(arch):
 def test_speculation_is_token_identical(arch, k):
     target = target_of(arch)
     expected = plain_greedy(target.model, PROMPT, 40)
-    for drafter in (LookupDrafter(),
-                    ScriptedDrafter(expected, 3, 32),
-                    ScriptedDrafter(expected, 100, 32),
-                    DraftModelDrafter(draft_model_for(arch), 32)):
+    for drafter in (
+        LookupDrafter(),
+        ScriptedDrafter(expected, 3, 32),
+        ScriptedDrafter(expected, 100, 32),
+        DraftModelDrafter(draft_model_for(arch), 32),
+    ):
         tokens, stats = run(engine_for(arch, target, drafter, k), PROMPT, 40)
         assert tokens == expected, (type(drafter).__name__, k)
         assert stats.verified_drafts > 0
@@ -126,7 +201,9 @@ def test_every_acceptance_length(arch):
     target = target_of(arch, seed=1)
     expected = plain_greedy(target.model, PROMPT, 40)
     for wrong_every in (2, 4, 5, 7):
-        tokens, stats = run(engine_for(arch, target, ScriptedDrafter(expected, wrong_every, 32), 8), PROMPT, 40)
+        tokens, stats = run(
+            engine_for(arch, target, ScriptedDrafter(expected, wrong_every, 32), 8), PROMPT, 40
+        )
         assert tokens == expected, wrong_every
         assert 0 < stats.accepted_drafts < stats.verified_drafts
 
@@ -145,7 +222,7 @@ def test_recurrent_chat_and_sampling(arch):
         tokens, stats = run(engine, context, 9)
         assert tokens == expected, turn
         assert turn == 0 or stats.prompt_cached > 0
-        context = context + tokens + [3, 5, 7, 9][:turn + 1]
+        context = context + tokens + [3, 5, 7, 9][: turn + 1]
     params = SamplingParams(temp=1.0, top_p=0.95)
     plain = run(Engine(target, sampling=params, seed=3), PROMPT, 30)[0]
     for drafter in (LookupDrafter(), DraftModelDrafter(tiny_target("llama", seed=4, scale=3.0), 32)):
@@ -159,8 +236,13 @@ def random_feature_models(target, tmp_path):
     from test_dflash import random_dflash
     from test_eagle import random_eagle, save_eagle
 
-    eagle = random_eagle(target, seed=5, scale=2.0, hidden_size=target.hidden_size,
-                         aux_layer_ids=list(range(min(3, target.num_layers))))
+    eagle = random_eagle(
+        target,
+        seed=5,
+        scale=2.0,
+        hidden_size=target.hidden_size,
+        aux_layer_ids=list(range(min(3, target.num_layers))),
+    )
     eagle = load_eagle3(save_eagle(eagle, tmp_path / "eagle", "speculators"), target)
     return eagle, random_dflash(tmp_path, target, num_layers=1, target_layer_ids=(0, 1), block_size=8)[0]
 
@@ -201,10 +283,10 @@ def test_recurrent_rollback_equals_a_plain_run():
         plain = cache_after([context] + [[t] for t in step[:keep]])
         for ours, theirs in zip(cache, plain):
             assert type(ours) is type(theirs)
-            if hasattr(ours, "offset"):   # attention: the rows up to the offset
+            if hasattr(ours, "offset"):  # attention: the rows up to the offset
                 assert ours.offset == theirs.offset == len(context) + keep
-                pairs = [(ours.keys[..., :ours.offset, :], theirs.keys[..., :ours.offset, :])]
-            else:                         # recurrent: conv state and SSM state
+                pairs = [(ours.keys[..., : ours.offset, :], theirs.keys[..., : ours.offset, :])]
+            else:  # recurrent: conv state and SSM state
                 pairs = list(zip(ours.cache, theirs.cache))
             for a, b in pairs:
                 assert np.allclose(np.array(a), np.array(b), atol=1e-4)
@@ -252,13 +334,18 @@ def test_a_recurrent_model_drafts_for_itself(arch):
     assert tokens == expected and stats.verified_drafts == stats.accepted_drafts == 32 and stats.steps == 9
     more = PROMPT + tokens + [3, 4]
     tokens, stats = run(engine, more, 21)
-    assert tokens == plain_greedy(target.model, more, 21) and stats.accepted_drafts == stats.verified_drafts == 16
-    engine = NoRebuild(target, DraftModelDrafter(target_of(arch, seed=7), 32), num_draft_tokens=3, adaptive=False)
+    assert (
+        tokens == plain_greedy(target.model, more, 21)
+        and stats.accepted_drafts == stats.verified_drafts == 16
+    )
+    engine = NoRebuild(
+        target, DraftModelDrafter(target_of(arch, seed=7), 32), num_draft_tokens=3, adaptive=False
+    )
     assert run(engine, PROMPT, 30)[0] == plain_greedy(target.model, PROMPT, 30)
     # A smaller model of the family (half the layers) drafting for the larger one.
     smaller = dict(RECURRENT[arch], num_hidden_layers=RECURRENT[arch].get("num_hidden_layers", 2) // 2)
     if "layer_types" in smaller:
-        smaller["layer_types"] = smaller["layer_types"][:smaller["num_hidden_layers"]]
+        smaller["layer_types"] = smaller["layer_types"][: smaller["num_hidden_layers"]]
     draft = tiny_target(arch, seed=7, scale=3.0, **smaller)
     assert draft.num_layers < target.num_layers
     engine = NoRebuild(target, DraftModelDrafter(draft, 32), num_draft_tokens=3, adaptive=False)
@@ -266,8 +353,9 @@ def test_a_recurrent_model_drafts_for_itself(arch):
     assert tokens == plain_greedy(target.model, PROMPT, 30) and stats.verified_drafts > 0
     params = SamplingParams(temp=1.0)
     plain = run(Engine(target, sampling=params, seed=5), PROMPT, 24)[0]
-    engine = NoRebuild(target, DraftModelDrafter(target, 32), num_draft_tokens=4, sampling=params, seed=5,
-                       adaptive=False)
+    engine = NoRebuild(
+        target, DraftModelDrafter(target, 32), num_draft_tokens=4, sampling=params, seed=5, adaptive=False
+    )
     assert run(engine, PROMPT, 24)[0] == plain
 
 
@@ -295,7 +383,7 @@ def test_a_recurrent_draft_model_rolls_back_to_the_accepted_drafts(arch):
             assert np.allclose(np.array(x), np.array(y), atol=1e-4)
 
 
-TREE_ARCHS = ["qwen3_next", "qwen3_5", "mamba2", "lfm2"]   # falcon_h1: attention and Mamba in one layer
+TREE_ARCHS = ["qwen3_next", "qwen3_5", "mamba2", "lfm2"]  # falcon_h1: attention and Mamba in one layer
 
 
 def layers_equal(cache, plain, length):
@@ -304,8 +392,10 @@ def layers_equal(cache, plain, length):
     for ours, theirs in zip(leaves(cache), leaves(plain)):
         if hasattr(ours, "offset"):
             assert ours.offset == theirs.offset == length
-            pairs = [(ours.keys[..., :length, :], theirs.keys[..., :length, :]),
-                     (ours.values[..., :length, :], theirs.values[..., :length, :])]
+            pairs = [
+                (ours.keys[..., :length, :], theirs.keys[..., :length, :]),
+                (ours.values[..., :length, :], theirs.values[..., :length, :]),
+            ]
         else:
             pairs = list(zip(ours.cache, theirs.cache))
         for a, b in pairs:
@@ -324,7 +414,7 @@ def test_a_tree_pass_over_recurrent_layers_equals_plain_paths(arch):
     target, tree = target_of(arch), Tree(PARENTS)
     context, tokens = PROMPT[:7], [7, 8, 9, 10, 11, 12, 13]
     node_tokens = [context[-1]] + tokens
-    for accepted in (7, 6, 3, 0):   # paths of depth 3, 2, 1 and the root alone
+    for accepted in (7, 6, 3, 0):  # paths of depth 3, 2, 1 and the root alone
         cache = make_cache(target.model)
         target.forward(mx.array(context[:-1])[None], cache)
         replay = Replay(len(context) - 1)
@@ -384,9 +474,12 @@ def test_learned_tree_sources_on_a_hybrid_target(tmp_path):
     expected = plain_greedy(target.model, PROMPT, 30)
     eagle, dflash = random_feature_models(target, tmp_path)
     medusa = load_medusa(write(tmp_path / "medusa", random_heads(target.hidden_size, 32)), target)
-    drafters = (EagleDrafter(eagle, target.vocab_size, tree_budget=12, tree_topk=3),
-                DDTreeDrafter(target, dflash, budget=12, topk=3),
-                MedusaDrafter(target, medusa, tree_budget=12, tree_topk=3), SuffixDrafter(12, None, tree=True))
+    drafters = (
+        EagleDrafter(eagle, target.vocab_size, tree_budget=12, tree_topk=3),
+        DDTreeDrafter(target, dflash, budget=12, topk=3),
+        MedusaDrafter(target, medusa, tree_budget=12, tree_topk=3),
+        SuffixDrafter(12, None, tree=True),
+    )
     for drafter in drafters:
         assert drafter.tree
         tokens, stats = run(NoRebuild(target, drafter, num_draft_tokens=4, adaptive=False), PROMPT, 30)
@@ -396,11 +489,14 @@ def test_learned_tree_sources_on_a_hybrid_target(tmp_path):
 
 def test_trees_over_attention_and_mamba_in_one_layer_are_refused():
     """Falcon-H1's layers hold attention and Mamba together (a CacheList): one line, no token."""
+
     class TreeDrafter(LookupDrafter):
         tree = True
 
-    with pytest.raises(MlxSpecError, match="tree drafts need plain KV caches or recurrent layers; this falcon_h1 "
-                                           "model uses CacheList"):
+    with pytest.raises(
+        MlxSpecError,
+        match="tree drafts need plain KV caches or recurrent layers; this falcon_h1 model uses CacheList",
+    ):
         Engine(target_of("falcon_h1"), TreeDrafter())
 
 
@@ -408,7 +504,7 @@ def test_rotating_rollback_equals_a_plain_run():
     """After a verification-sized update past the window and a rollback, the sliding layer's
     cache holds the same window as a plain run over the kept tokens."""
     target = target_of("gemma3_text")
-    sliding = 0   # layer 0 slides (pattern 2: every second layer is global)
+    sliding = 0  # layer 0 slides (pattern 2: every second layer is global)
 
     def window_after(tokens_fed):
         cache = target.model.make_cache()
@@ -433,5 +529,7 @@ def test_trees_need_a_plain_kv_cache():
     class TreeDrafter(LookupDrafter):
         tree = True
 
-    with pytest.raises(MlxSpecError, match="tree drafts need plain KV caches or recurrent layers; this gemma3_text model"):
+    with pytest.raises(
+        MlxSpecError, match="tree drafts need plain KV caches or recurrent layers; this gemma3_text model"
+    ):
         Engine(target_of("gemma3_text"), TreeDrafter())

@@ -14,10 +14,19 @@ from mlx_spec.models.target import Target
 
 
 def tiny_config(arch="llama", vocab_size=32, hidden_size=64, num_layers=2, context=1024, **extra):
-    config = dict(model_type=arch, hidden_size=hidden_size, num_hidden_layers=num_layers,
-                  intermediate_size=2 * hidden_size, num_attention_heads=4, num_key_value_heads=2,
-                  rms_norm_eps=1e-5, vocab_size=vocab_size, max_position_embeddings=context,
-                  rope_theta=10000.0, tie_word_embeddings=False)
+    config = dict(
+        model_type=arch,
+        hidden_size=hidden_size,
+        num_hidden_layers=num_layers,
+        intermediate_size=2 * hidden_size,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-5,
+        vocab_size=vocab_size,
+        max_position_embeddings=context,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+    )
     if arch == "qwen3":
         config["head_dim"] = hidden_size // 4
     config.update(extra)
@@ -95,7 +104,7 @@ class ScriptedDrafter(Drafter):
         self.last = []
 
     def propose(self, k):
-        drafts = list(self.reference[self.position:self.position + k])
+        drafts = list(self.reference[self.position : self.position + k])
         for i in range(len(drafts)):
             if (self.position + i) % self.wrong_every == self.wrong_every - 1:
                 drafts[i] = (drafts[i] + 1) % self.vocab

@@ -23,9 +23,11 @@ COMMANDS = {
     "/reset": "start a new conversation (the --system message stays)",
     "/quit": "leave (Ctrl-D too)",
 }
-GREETING = ('Type a message and press Enter; end a line with \\ to go on to the next, or put """ '
-            "on lines of their own around several lines. /help lists the commands. Ctrl-C stops a "
-            "reply or clears the line; Ctrl-D leaves.")
+GREETING = (
+    'Type a message and press Enter; end a line with \\ to go on to the next, or put """ '
+    "on lines of their own around several lines. /help lists the commands. Ctrl-C stops a "
+    "reply or clears the line; Ctrl-D leaves."
+)
 
 
 def line_editing() -> None:
@@ -75,8 +77,14 @@ class CtrlC:
 
 @click.command("chat", cls=GroupedCommand, short_help="Chat in the terminal, with line editing and history.")
 @config_options()
-@click.option("--max-tokens", "-m", type=click.IntRange(1), default=512, show_default=True,
-              help="Most tokens per reply (fewer when the conversation nears the context limit).")
+@click.option(
+    "--max-tokens",
+    "-m",
+    type=click.IntRange(1),
+    default=512,
+    show_default=True,
+    help="Most tokens per reply (fewer when the conversation nears the context limit).",
+)
 @click.option("--system", default=None, help="System message.")
 @reports_errors
 def chat(max_tokens, system, **options):
@@ -87,17 +95,24 @@ def chat(max_tokens, system, **options):
     limit = engine.target.context_length
     start = [{"role": "system", "content": system}] if system else []
     if limit is not None:
-        first = len(tokenizer.apply_chat_template(start + [{"role": "user", "content": "Hi"}],
-                                                  add_generation_prompt=True))
+        first = len(
+            tokenizer.apply_chat_template(
+                start + [{"role": "user", "content": "Hi"}], add_generation_prompt=True
+            )
+        )
         if first + max_tokens > limit:
-            raise MlxSpecError(f"--max-tokens {max_tokens} leaves no room for a message in the "
-                               f"model's context of {limit} tokens")
+            raise MlxSpecError(
+                f"--max-tokens {max_tokens} leaves no room for a message in the "
+                f"model's context of {limit} tokens"
+            )
     messages = list(start)
     line_editing()
     adaptive = "adaptive" if options["adaptive"] else f"{engine.num_draft_tokens} drafts per step"
-    echo_err(f"mlx-spec chat: {model_label(options['path_or_hf_repo'])}, {draft_label(loaded)}"
-             + (f" ({adaptive})" if engine.speculative else "")
-             + (f", temperature {options['temp']}" if options["temp"] else ""))
+    echo_err(
+        f"mlx-spec chat: {model_label(options['path_or_hf_repo'])}, {draft_label(loaded)}"
+        + (f" ({adaptive})" if engine.speculative else "")
+        + (f", temperature {options['temp']}" if options["temp"] else "")
+    )
     echo_err(GREETING)
     while True:
         try:
@@ -119,7 +134,7 @@ def chat(max_tokens, system, **options):
             engine.reset()
             echo_err("(conversation reset)")
             continue
-        if re.fullmatch(r"/[A-Za-z]+", command):   # not "/usr/bin is ...", which is a message
+        if re.fullmatch(r"/[A-Za-z]+", command):  # not "/usr/bin is ...", which is a message
             echo_err(f"unknown command {command}; /help lists the commands")
             continue
         if not command:
@@ -129,24 +144,28 @@ def chat(max_tokens, system, **options):
         room = max_tokens if limit is None else min(max_tokens, limit - len(tokens))
         if room < 1:
             messages.pop()
-            echo_err(f"the conversation ({len(tokens)} tokens with this message) fills the model's "
-                     f"context of {limit} tokens: /reset starts a new one")
+            echo_err(
+                f"the conversation ({len(tokens)} tokens with this message) fills the model's "
+                f"context of {limit} tokens: /reset starts a new one"
+            )
             continue
         collected = Collector()
         try:
             with CtrlC() as ctrl_c:
-                stream(engine.generate(tokens, max_tokens=room), collected=collected, stop=lambda: ctrl_c.pressed)
+                stream(
+                    engine.generate(tokens, max_tokens=room), collected=collected, stop=lambda: ctrl_c.pressed
+                )
             reply, stats = collected.text, collected.stats
             click.echo()
             if stats.finish_reason == "interrupted":
                 echo_err("(interrupted)")
             echo_err(stats_line(stats, engine.speculative, not engine.sampler.greedy))
-        except KeyboardInterrupt:   # a second Ctrl-C: at once (the cache starts over)
+        except KeyboardInterrupt:  # a second Ctrl-C: at once (the cache starts over)
             # Keep what was printed: it becomes the assistant's turn in the history.
             reply = collected.text
             click.echo()
             echo_err("(interrupted)")
-        except RanksLost:   # a split target that lost a rank: the chat cannot go on
+        except RanksLost:  # a split target that lost a rank: the chat cannot go on
             raise
         except MlxSpecError as e:
             messages.pop()

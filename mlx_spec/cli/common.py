@@ -60,8 +60,11 @@ def config_options(exclude=()):
             if f.name in exclude:
                 continue
             meta = f.metadata
-            settings = dict(default=f.default if f.default is not MISSING else None, help=meta["help"],
-                            group=None if f.name in EVERYDAY else heading)
+            settings = dict(
+                default=f.default if f.default is not MISSING else None,
+                help=meta["help"],
+                group=None if f.name in EVERYDAY else heading,
+            )
             flag = meta["flag"] or "--" + f.name.replace("_", "-")
             if meta["type"]:
                 name, *arguments = meta["type"]
@@ -73,6 +76,7 @@ def config_options(exclude=()):
 
     def decorate(f):
         return apply(f, decorators)
+
     return decorate
 
 
@@ -95,8 +99,11 @@ def load_engine(options: dict, sessions: bool = False):
     from ..api import load_model
 
     interactive = sys.stdin.isatty() and sys.stderr.isatty()
-    return load_model(**options, sessions=sessions,
-                      confirm=(lambda question: click.confirm(question, err=True)) if interactive else None)
+    return load_model(
+        **options,
+        sessions=sessions,
+        confirm=(lambda question: click.confirm(question, err=True)) if interactive else None,
+    )
 
 
 def draft_label(loaded) -> str:
@@ -126,16 +133,18 @@ def stream(events, out=sys.stdout, collected: Optional[Collector] = None, stop=N
     was printed survives an interrupted stream). stop() True ends the generation at the next
     event (its stats then say "interrupted")."""
     collected = Collector() if collected is None else collected
-    bar = None   # while a long prompt prefills (Prefilling events): a progress bar on stderr
+    bar = None  # while a long prompt prefills (Prefilling events): a progress bar on stderr
     try:
         for event in events:
             collected.add(event)
             if isinstance(event, Prefilling):
                 if bar is None:
-                    bar = click.progressbar(length=event.total, label="prompt", file=click.get_text_stream("stderr"))
+                    bar = click.progressbar(
+                        length=event.total, label="prompt", file=click.get_text_stream("stderr")
+                    )
                     bar.__enter__()
                 bar.update(event.done - bar.pos)
-            elif bar is not None:   # the prompt is in
+            elif bar is not None:  # the prompt is in
                 bar.update(bar.length - bar.pos)
                 bar.__exit__(None, None, None)
                 bar = None

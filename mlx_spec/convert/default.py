@@ -12,9 +12,7 @@ from mlx_spec.errors import MlxSpecError
 from mlx_spec.models.default import DEFAULT_MODEL_NAME, find_default_gguf, models_dir
 
 
-def default_model_path(
-    dtype: str = "keep", progress: Optional[Callable[[int, int], None]] = None
-) -> Path:
+def default_model_path(dtype: str = "keep", progress: Optional[Callable[[int, int], None]] = None) -> Path:
     """The default model as an MLX model directory, converted on first use.
 
     dtype "keep" (4-bit linears, 8-bit embedding, as in the GGUF file) goes to

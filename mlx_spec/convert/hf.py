@@ -28,8 +28,9 @@ def check_hf_dir(path: Path) -> dict:
     try:
         _get_classes(config)
     except (ValueError, KeyError) as e:
-        raise MlxSpecError(f"{path}: {one_line(e)} (mlx-lm has no port of model_type "
-                           f"{config.get('model_type')!r})") from None
+        raise MlxSpecError(
+            f"{path}: {one_line(e)} (mlx-lm has no port of model_type {config.get('model_type')!r})"
+        ) from None
     files = sorted(path.glob("*.safetensors"))
     index = path / "model.safetensors.index.json"
     if index.is_file():
@@ -39,8 +40,10 @@ def check_hf_dir(path: Path) -> dict:
             raise MlxSpecError(f"corrupt {index}: {one_line(e)}") from None
         missing = sorted(name for name in named if not (path / name).is_file())
         if missing:
-            raise MlxSpecError(f"{path} lacks {len(missing)} of the {len(named)} shards its index "
-                               f"names: {', '.join(missing[:3])}")
+            raise MlxSpecError(
+                f"{path} lacks {len(missing)} of the {len(named)} shards its index "
+                f"names: {', '.join(missing[:3])}"
+            )
     if not files:
         raise MlxSpecError(f"no *.safetensors weights in {path}")
     for f in files:
@@ -59,9 +62,16 @@ def _check_safetensors(f: Path) -> None:
         raise MlxSpecError(f"{f} is truncated: its tensors need {end} bytes, the file has {f.stat().st_size}")
 
 
-def convert_hf(hf_path, mlx_path, quantize: bool = False, q_bits: int = 4, q_group_size: int = 64,
-               dtype: Optional[str] = None, overwrite: bool = False,
-               progress: Optional[Callable[[int, int, str], None]] = None) -> Path:
+def convert_hf(
+    hf_path,
+    mlx_path,
+    quantize: bool = False,
+    q_bits: int = 4,
+    q_group_size: int = 64,
+    dtype: Optional[str] = None,
+    overwrite: bool = False,
+    progress: Optional[Callable[[int, int, str], None]] = None,
+) -> Path:
     """Convert with mlx-lm into `mlx_path`; returns it. progress(done, total, stage) after
     each of the three stages."""
     hf_path = Path(hf_path).expanduser().resolve()
@@ -88,7 +98,7 @@ def convert_hf(hf_path, mlx_path, quantize: bool = False, q_bits: int = 4, q_gro
 
         if progress:
             progress(2, 3, "converting")
-        tmp.rmdir()   # mlx-lm refuses an existing output directory
+        tmp.rmdir()  # mlx-lm refuses an existing output directory
         with redirect_stdout(io.StringIO()), tempfile.TemporaryDirectory(dir=tmp.parent) as scratch:
             # (its [INFO] lines are silenced: the CLI shows a bar instead)
             source = hf_path
@@ -98,17 +108,34 @@ def convert_hf(hf_path, mlx_path, quantize: bool = False, q_bits: int = 4, q_gro
                 if not quantize:
                     shutil.move(str(source), str(tmp))
             if not requantize or quantize:
-                convert(str(source), str(tmp), quantize=quantize, q_bits=q_bits if quantize else None,
-                        q_group_size=q_group_size if quantize else None, dtype=None if requantize else dtype)
+                convert(
+                    str(source),
+                    str(tmp),
+                    quantize=quantize,
+                    q_bits=q_bits if quantize else None,
+                    q_group_size=q_group_size if quantize else None,
+                    dtype=None if requantize else dtype,
+                )
         if progress:
             progress(3, 3, "writing")
         write_mtp_sidecar(hf_path, config, tmp, dtype)
 
-    written = ({"bits": q_bits, "group_size": q_group_size} if quantize
-               else None if requantize else source_quantization)
-    info = {"source": str(hf_path), "format": "huggingface", "model_type": config.get("model_type"),
-            "converter": "mlx_lm.convert", "dtype": dtype, "quantization": written,
-            "dequantized_from": source_quantization if requantize else None}
+    written = (
+        {"bits": q_bits, "group_size": q_group_size}
+        if quantize
+        else None
+        if requantize
+        else source_quantization
+    )
+    info = {
+        "source": str(hf_path),
+        "format": "huggingface",
+        "model_type": config.get("model_type"),
+        "converter": "mlx_lm.convert",
+        "dtype": dtype,
+        "quantization": written,
+        "dequantized_from": source_quantization if requantize else None,
+    }
     return write_dir(mlx_path, fill, info)
 
 
@@ -119,13 +146,17 @@ def write_mtp_sidecar(hf_path: Path, config: dict, out: Path, dtype: Optional[st
 
     from ..models.mtp import SIDECAR, has_mtp_weights, read_mtp_weights
 
-    n = int(config.get("num_hidden_layers") or (config.get("text_config") or {}).get("num_hidden_layers") or 0)
+    n = int(
+        config.get("num_hidden_layers") or (config.get("text_config") or {}).get("num_hidden_layers") or 0
+    )
     if not has_mtp_weights(hf_path, n):
         return False
     weights = read_mtp_weights(hf_path, n)
     if dtype:
-        weights = {k: v.astype(getattr(mx, dtype)) if mx.issubdtype(v.dtype, mx.floating) else v
-                   for k, v in weights.items()}
+        weights = {
+            k: v.astype(getattr(mx, dtype)) if mx.issubdtype(v.dtype, mx.floating) else v
+            for k, v in weights.items()
+        }
     sidecar = out / SIDECAR
     sidecar.mkdir()
     (sidecar / "config.json").write_text(json.dumps(config, indent=2))

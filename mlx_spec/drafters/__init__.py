@@ -15,7 +15,8 @@ from ..models.checkpoint import check_kind
 @dataclass(frozen=True)
 class SourceOptions:
     """What a source reads besides the target; subclasses add their fields and defaults."""
-    dtype: str = "auto"   # the target's --dtype, which a draft model follows
+
+    dtype: str = "auto"  # the target's --dtype, which a draft model follows
 
     @classmethod
     def names(cls) -> set:
@@ -24,25 +25,25 @@ class SourceOptions:
 
 @dataclass(frozen=True)
 class LookupOptions(SourceOptions):
-    ngram_max: int = 3    # longest n-gram matched
-    ngram_min: int = 1    # shortest
+    ngram_max: int = 3  # longest n-gram matched
+    ngram_min: int = 1  # shortest
 
 
 @dataclass(frozen=True)
 class CheckpointOptions(SourceOptions):
-    draft_model: Optional[str] = None   # a directory (api.load resolves repo ids)
+    draft_model: Optional[str] = None  # a directory (api.load resolves repo ids)
 
 
 @dataclass(frozen=True)
 class EagleOptions(CheckpointOptions):
-    tree_budget: int = 0   # nodes of an EAGLE-2 dynamic tree; 0: a chain
-    tree_topk: int = 8     # children per expanded node
+    tree_budget: int = 0  # nodes of an EAGLE-2 dynamic tree; 0: a chain
+    tree_topk: int = 8  # children per expanded node
 
 
 @dataclass(frozen=True)
 class DDTreeOptions(CheckpointOptions):
     tree_budget: int = 16  # the most nodes
-    tree_topk: int = 4     # candidates per position
+    tree_topk: int = 4  # candidates per position
 
     def __post_init__(self):
         if self.tree_budget < 1:
@@ -51,24 +52,24 @@ class DDTreeOptions(CheckpointOptions):
 
 @dataclass(frozen=True)
 class MedusaOptions(CheckpointOptions):
-    tree_budget: int = 0   # nodes of a tree from the heads' top tokens; 0: a chain
-    tree_topk: int = 4     # candidates per head
+    tree_budget: int = 0  # nodes of a tree from the heads' top tokens; 0: a chain
+    tree_topk: int = 4  # candidates per head
 
 
 @dataclass(frozen=True)
 class SuffixOptions(SourceOptions):
-    tree_budget: int = 16                # the most nodes of a draft tree; 0: a chain
+    tree_budget: int = 16  # the most nodes of a draft tree; 0: a chain
     suffix_memory: Optional[str] = None  # the memory of earlier outputs: a file, "off"; None: the model's
 
 
 @dataclass(frozen=True)
 class SuffixPlusOptions(SuffixOptions):
-    draft_model: Optional[str] = None    # the learned drafter's checkpoint
+    draft_model: Optional[str] = None  # the learned drafter's checkpoint
 
 
 @dataclass(frozen=True)
 class LayerSkipOptions(SourceOptions):
-    exit_layer: Optional[int] = None    # the target's first E layers draft (required)
+    exit_layer: Optional[int] = None  # the target's first E layers draft (required)
 
 
 def _none(target, options):
@@ -87,19 +88,25 @@ def _suffix(target, options: SuffixOptions):
     from .suffix import SuffixDrafter
 
     # Trees where the target's cache holds them; a chain of the tree's best path elsewhere.
-    return SuffixDrafter(options.tree_budget, open_memory(target, options.suffix_memory),
-                         tree=holds_trees(make_cache(target.model)))
+    return SuffixDrafter(
+        options.tree_budget,
+        open_memory(target, options.suffix_memory),
+        tree=holds_trees(make_cache(target.model)),
+    )
 
 
 def _suffix_plus(learned: str):
     """suffix+`learned`: a suffix drafter beside the learned source's (drafters/combined.py)."""
+
     def make(target, options: SuffixPlusOptions):
         from .combined import Combined
 
         source = DRAFTERS[learned]
         learned_options = source.options(draft_model=options.draft_model, dtype=options.dtype)
-        return Combined(_suffix(target, options), source.make(target, learned_options),
-                          source.default_draft_tokens)
+        return Combined(
+            _suffix(target, options), source.make(target, learned_options), source.default_draft_tokens
+        )
+
     return make
 
 
@@ -108,8 +115,10 @@ def _draft_model(target, options: CheckpointOptions):
     from .draft_model import DraftModelDrafter, check_same_vocabulary
 
     if not options.draft_model:
-        raise MlxSpecError("--draft model needs a draft model: --draft-model PATH (Python: draft_model=PATH), "
-                           "a small mlx-lm model with the target's tokenizer")
+        raise MlxSpecError(
+            "--draft model needs a draft model: --draft-model PATH (Python: draft_model=PATH), "
+            "a small mlx-lm model with the target's tokenizer"
+        )
     check_kind(options.draft_model, "model")
     draft = load_target(options.draft_model, options.dtype)
     check_same_vocabulary(target, draft)
@@ -122,9 +131,11 @@ def _drafter_path(method: str, target, options: CheckpointOptions, what: str, sh
 
     path = options.draft_model or shipped_drafter(shipped or method, target.path)
     if not path:
-        raise MlxSpecError(f"--draft {method} needs a drafter: --draft-model PATH (Python: draft_model=PATH), "
-                           f"{what}; one ships for the default model SmolLM2-135M-Instruct only: "
-                           f"{SHIPPED_DRAFTERS / (shipped or method)}")
+        raise MlxSpecError(
+            f"--draft {method} needs a drafter: --draft-model PATH (Python: draft_model=PATH), "
+            f"{what}; one ships for the default model SmolLM2-135M-Instruct only: "
+            f"{SHIPPED_DRAFTERS / (shipped or method)}"
+        )
     check_kind(path, method)
     return path
 
@@ -141,7 +152,9 @@ def _ddtree(target, options: DDTreeOptions):
     from ..models.dflash import load_dflash
     from .ddtree import DDTreeDrafter
 
-    model = load_dflash(_drafter_path("ddtree", target, options, "a DFlash drafter directory", "dflash"), target)
+    model = load_dflash(
+        _drafter_path("ddtree", target, options, "a DFlash drafter directory", "dflash"), target
+    )
     return DDTreeDrafter(target, model, budget=options.tree_budget, topk=options.tree_topk)
 
 
@@ -150,15 +163,18 @@ def _eagle(target, options: EagleOptions):
     from .eagle import EagleDrafter
 
     model = load_eagle3(_drafter_path("eagle", target, options, "an EAGLE-3 checkpoint directory"), target)
-    return EagleDrafter(model, target.vocab_size, tree_budget=options.tree_budget, tree_topk=options.tree_topk)
+    return EagleDrafter(
+        model, target.vocab_size, tree_budget=options.tree_budget, tree_topk=options.tree_topk
+    )
 
 
 def _layerskip(target, options: LayerSkipOptions):
     from .layerskip import LayerSkipDrafter
 
     if options.exit_layer is None:
-        raise MlxSpecError(f"--draft layerskip needs --exit-layer E (1..{target.num_layers - 1}): the layers "
-                           "that draft")
+        raise MlxSpecError(
+            f"--draft layerskip needs --exit-layer E (1..{target.num_layers - 1}): the layers that draft"
+        )
     return LayerSkipDrafter(target, options.exit_layer)
 
 
@@ -185,7 +201,7 @@ class Source:
     default_draft_tokens: int
     summary: str
     options: Type[SourceOptions] = SourceOptions
-    stops_early: bool = False   # drafts one position at a time, so --stop-early can stop it
+    stops_early: bool = False  # drafts one position at a time, so --stop-early can stop it
 
 
 # Lengths: lookup's and the learned drafters' bound what the policy may verify; a draft model
@@ -193,21 +209,45 @@ class Source:
 DRAFTERS = {
     "none": Source(_none, 0, "plain decoding through the same loop"),
     "lookup": Source(_lookup, 10, "n-grams of the prompt and output", LookupOptions),
-    "suffix": Source(_suffix, 12, "a tree of what followed the context's suffix, in the prompt, the output "
-                     "and earlier outputs (--suffix-memory)", SuffixOptions),
-    "model": Source(_draft_model, 3, "a small model with the same tokenizer (--draft-model)", CheckpointOptions,
-                    stops_early=True),
+    "suffix": Source(
+        _suffix,
+        12,
+        "a tree of what followed the context's suffix, in the prompt, the output "
+        "and earlier outputs (--suffix-memory)",
+        SuffixOptions,
+    ),
+    "model": Source(
+        _draft_model,
+        3,
+        "a small model with the same tokenizer (--draft-model)",
+        CheckpointOptions,
+        stops_early=True,
+    ),
     "dflash": Source(_dflash, 8, "DFlash block drafter", CheckpointOptions),
     "ddtree": Source(_ddtree, 8, "a tree from one DFlash block's distributions", DDTreeOptions),
     "eagle": Source(_eagle, 4, "EAGLE-3 draft layer", EagleOptions, stops_early=True),
     "layerskip": Source(_layerskip, 4, "the target's first --exit-layer layers draft", LayerSkipOptions),
     "medusa": Source(_medusa, 4, "Medusa heads on the target's last hidden state", MedusaOptions),
-    "mtp": Source(_mtp, 3, "the target's multi-token-prediction module (DeepSeek, GLM, MiMo, Qwen3-Next)",
-                  CheckpointOptions, stops_early=True),
+    "mtp": Source(
+        _mtp,
+        3,
+        "the target's multi-token-prediction module (DeepSeek, GLM, MiMo, Qwen3-Next)",
+        CheckpointOptions,
+        stops_early=True,
+    ),
 }
-DRAFTERS.update({f"suffix+{learned}": Source(_suffix_plus(learned), 12, f"suffix, and {learned} where the suffix "
-                                             "match is weak", SuffixPlusOptions, stops_early=learned != "dflash")
-                 for learned in ("eagle", "mtp", "dflash")})
+DRAFTERS.update(
+    {
+        f"suffix+{learned}": Source(
+            _suffix_plus(learned),
+            12,
+            f"suffix, and {learned} where the suffix match is weak",
+            SuffixPlusOptions,
+            stops_early=learned != "dflash",
+        )
+        for learned in ("eagle", "mtp", "dflash")
+    }
+)
 
 
 def check_method(method: str) -> str:
@@ -218,13 +258,18 @@ def check_method(method: str) -> str:
 
 def draft_tokens(method: str, num_draft_tokens=None) -> int:
     """--num-draft-tokens, else the method's default."""
-    return DRAFTERS[check_method(method)].default_draft_tokens if num_draft_tokens is None else num_draft_tokens
+    return (
+        DRAFTERS[check_method(method)].default_draft_tokens if num_draft_tokens is None else num_draft_tokens
+    )
 
 
 def sources_reading(option: str) -> str:
     """The sources that read `option` ("stop_early": those that stop early), as --draft a|b."""
-    return "|".join(name for name, s in DRAFTERS.items()
-                    if (s.stops_early if option == "stop_early" else option in s.options.names()))
+    return "|".join(
+        name
+        for name, s in DRAFTERS.items()
+        if (s.stops_early if option == "stop_early" else option in s.options.names())
+    )
 
 
 def source_options(method: str, **given) -> SourceOptions:
@@ -235,11 +280,18 @@ def source_options(method: str, **given) -> SourceOptions:
     known = set().union(*(s.options.names() for s in DRAFTERS.values()))
     for name, value in given.items():
         if value is not None and name in known and name not in source.options.names():
-            chain = ", which drafts a chain" if name.startswith("tree_") and "tree_budget" not in source.options.names() else ""
-            raise MlxSpecError(f"--{name.replace('_', '-')} is for --draft {sources_reading(name)}, "
-                               f"not --draft {method}{chain}")
-    return source.options(**{k: v for k, v in given.items()
-                             if v is not None and k in source.options.names() | {"dtype"}})
+            chain = (
+                ", which drafts a chain"
+                if name.startswith("tree_") and "tree_budget" not in source.options.names()
+                else ""
+            )
+            raise MlxSpecError(
+                f"--{name.replace('_', '-')} is for --draft {sources_reading(name)}, "
+                f"not --draft {method}{chain}"
+            )
+    return source.options(
+        **{k: v for k, v in given.items() if v is not None and k in source.options.names() | {"dtype"}}
+    )
 
 
 def make_drafter(method: str, target, options: Union[SourceOptions, dict]):

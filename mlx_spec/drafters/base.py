@@ -45,8 +45,11 @@ class Draft:
     def chain(cls, draws) -> "Draft":
         """A chain from one Sampler.draw (tokens, q, confidence) per drafted position."""
         tokens, qs, confidence = zip(*draws)
-        return cls(tokens=mx.concatenate(tokens), q=mx.concatenate(qs) if qs[0] is not None else None,
-                   confidence=mx.concatenate(confidence))
+        return cls(
+            tokens=mx.concatenate(tokens),
+            q=mx.concatenate(qs) if qs[0] is not None else None,
+            confidence=mx.concatenate(confidence),
+        )
 
     def as_chain(self) -> "Draft":
         """A tree whose nodes form one chain (what the policy left of it) as that chain, which
@@ -69,9 +72,12 @@ class Draft:
         if self.parents is not None:
             _, parents = breadth_first(kept, lambda i: self.parents[i] - 1 if self.parents[i] else None)
         confidence = self.confidences
-        return Draft(tokens=[tokens[i] for i in kept], parents=parents,
-                     q=self.q[mx.array(kept)] if self.q is not None and kept else None,
-                     confidence=[confidence[i] for i in kept] if self.confidence is not None else None)
+        return Draft(
+            tokens=[tokens[i] for i in kept],
+            parents=parents,
+            q=self.q[mx.array(kept)] if self.q is not None and kept else None,
+            confidence=[confidence[i] for i in kept] if self.confidence is not None else None,
+        )
 
 
 class Drafter:
@@ -96,8 +102,12 @@ class Drafter:
     sampler: Sampler = Sampler()
     keep_drafting: Optional[Callable[[List[float]], bool]] = None
 
-    def bind(self, sampler: Sampler, target_cache: Callable[[], list],
-             keep_drafting: Optional[Callable[[List[float]], bool]] = None) -> None:
+    def bind(
+        self,
+        sampler: Sampler,
+        target_cache: Callable[[], list],
+        keep_drafting: Optional[Callable[[List[float]], bool]] = None,
+    ) -> None:
         """What the engine shares, handed over once: the generation's sampling settings and
         noise (the drafter draws with them); the target's cache as it is now (a callable: a
         new conversation brings a new cache); and, where drafts should stop as soon as they no

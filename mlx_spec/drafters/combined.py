@@ -16,7 +16,7 @@ import mlx.core as mx
 
 from .base import Draft, Drafter
 
-STRONG = 2.0   # expected tokens from the first draft above which the second source rests
+STRONG = 2.0  # expected tokens from the first draft above which the second source rests
 
 
 def expected_tokens(draft: Draft) -> float:

@@ -25,24 +25,36 @@ def best_tree(log_probs: Sequence[Sequence[Tuple[int, float]]], budget: int):
     # Best-first: a node's children are the candidates of the next depth; a product never
     # grows along a path, so the best `budget` nodes come out ancestors first.
     heap = [(-lp, 0, j, -1) for j, (_, lp) in enumerate(log_probs[0][:1])] if log_probs else []
-    chosen = []   # (score, depth, candidate index, parent index in chosen)
+    chosen = []  # (score, depth, candidate index, parent index in chosen)
     while heap and len(chosen) < budget:
         neg, depth, j, parent = heapq.heappop(heap)
         chosen.append((-neg, depth, j, parent))
         me = len(chosen) - 1
-        if j + 1 < len(log_probs[depth]):   # the next sibling
-            heapq.heappush(heap, (neg + log_probs[depth][j][1] - log_probs[depth][j + 1][1], depth, j + 1, parent))
-        if depth + 1 < len(log_probs) and log_probs[depth + 1]:   # the first child
+        if j + 1 < len(log_probs[depth]):  # the next sibling
+            heapq.heappush(
+                heap, (neg + log_probs[depth][j][1] - log_probs[depth][j + 1][1], depth, j + 1, parent)
+            )
+        if depth + 1 < len(log_probs) and log_probs[depth + 1]:  # the first child
             heapq.heappush(heap, (neg - log_probs[depth + 1][0][1], depth + 1, 0, me))
-    order, parents = breadth_first(range(len(chosen)), lambda i: chosen[i][3] if chosen[i][3] >= 0 else None,
-                                   key=lambda i: (chosen[i][1], -chosen[i][0], i))
+    order, parents = breadth_first(
+        range(len(chosen)),
+        lambda i: chosen[i][3] if chosen[i][3] >= 0 else None,
+        key=lambda i: (chosen[i][1], -chosen[i][0], i),
+    )
     tokens = [log_probs[chosen[i][1]][chosen[i][2]][0] for i in order]
     confidence = [float(np.exp(log_probs[chosen[i][1]][chosen[i][2]][1])) for i in order]
     return tokens, parents, confidence
 
 
-def tree_from_logits(logits: mx.array, positions: Sequence[int], sampler, vocab_size: int, topk: int,
-                     budget: int, ids: mx.array = None) -> Draft:
+def tree_from_logits(
+    logits: mx.array,
+    positions: Sequence[int],
+    sampler,
+    vocab_size: int,
+    topk: int,
+    budget: int,
+    ids: mx.array = None,
+) -> Draft:
     """A budgeted tree from independent logits [n, w] for the given positions (a DFlash block,
     Medusa heads), built from Sampler.tree_log_probs; ids[j] is the target id of column j
     (None: column j is id j)."""
@@ -53,7 +65,8 @@ def tree_from_logits(logits: mx.array, positions: Sequence[int], sampler, vocab_
     tokens = columns if ids is None else ids[columns]
     candidates: List[List[Tuple[int, float]]] = [
         sorted(((t, v) for t, v in zip(row_ids, row_values) if v > -np.inf), key=lambda c: -c[1])
-        for row_ids, row_values in zip(tokens.tolist(), values.tolist())]
+        for row_ids, row_values in zip(tokens.tolist(), values.tolist())
+    ]
     tokens, parents, confidence = best_tree(candidates, budget)
     return Draft(tokens=tokens, parents=parents, confidence=confidence, levels=len(candidates))
 
@@ -66,11 +79,18 @@ class DDTreeDrafter(DFlashDrafter):
         self.budget, self.topk = budget, topk
 
     def chains(self):
-        return DFlashDrafter(self.target, self.model)   # DFlash: the block's draws
+        return DFlashDrafter(self.target, self.model)  # DFlash: the block's draws
 
     def propose(self, k):
         n = min(k, self.block_size - 1)
         if n <= 0:
             return Draft()
-        return tree_from_logits(self.block_logits(n), range(self.position, self.position + n), self.sampler,
-                                self.target.vocab_size, self.topk, self.budget, ids=self.model.draft_ids)
+        return tree_from_logits(
+            self.block_logits(n),
+            range(self.position, self.position + n),
+            self.sampler,
+            self.target.vocab_size,
+            self.topk,
+            self.budget,
+            ids=self.model.draft_ids,
+        )

@@ -28,9 +28,9 @@ class DFlashDrafter(Drafter):
         self.block_size = model.args.block_size
         self.mask_token_id = model.args.mask_token_id
         self.cache = model.make_cache()
-        self.last_token = None               # the block's first token: the last committed one
-        self.position = 0                    # of the first draft: the committed tokens so far
-        self.pending: List[mx.array] = []    # target features committed but not yet cached
+        self.last_token = None  # the block's first token: the last committed one
+        self.position = 0  # of the first draft: the committed tokens so far
+        self.pending: List[mx.array] = []  # target features committed but not yet cached
 
     def _features(self, taps: Dict[int, mx.array]) -> mx.array:
         return mx.concatenate([taps[i] for i in self.taps], axis=-1)
@@ -70,7 +70,7 @@ class DFlashDrafter(Drafter):
         block = mx.array([[self.last_token] + [self.mask_token_id] * (self.block_size - 1)])
         # The whole block is always run (its attention is bidirectional, so a shorter block
         # would change every prediction); only the first n positions go through the head.
-        hidden = self.model(self.target.embed(block), self.cache)[0, 1:n + 1]
+        hidden = self.model(self.target.embed(block), self.cache)[0, 1 : n + 1]
         return self.target.lm_head(hidden) if self.model.rows is None else self.model.rows(hidden)
 
     def propose(self, k):
@@ -78,8 +78,9 @@ class DFlashDrafter(Drafter):
         if n <= 0:
             return Draft()
         logits = self.block_logits(n)
-        tokens, q, confidence = self.sampler.draw(logits, range(self.position, self.position + n),
-                                                  self.target.vocab_size, ids=self.model.draft_ids)
+        tokens, q, confidence = self.sampler.draw(
+            logits, range(self.position, self.position + n), self.target.vocab_size, ids=self.model.draft_ids
+        )
         return Draft(tokens=tokens, q=q, confidence=confidence)
 
     def commit(self, accepted, next_token, taps):

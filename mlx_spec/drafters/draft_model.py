@@ -19,8 +19,10 @@ def check_same_vocabulary(target, draft) -> None:
     tt, dt = target.tokenizer, draft.tokenizer
     if tt is None or dt is None:
         if target.vocab_size != draft.vocab_size:
-            raise MlxSpecError(f"draft model vocabulary ({draft.vocab_size}) does not match the "
-                               f"target's ({target.vocab_size})")
+            raise MlxSpecError(
+                f"draft model vocabulary ({draft.vocab_size}) does not match the "
+                f"target's ({target.vocab_size})"
+            )
         return
     tv, dv = tt.get_vocab(), dt.get_vocab()
     if len(tv) != len(dv):
@@ -38,16 +40,16 @@ class DraftModelDrafter(Drafter):
 
     def __init__(self, draft, vocab_size: int):
         self.draft = draft
-        self.vocab_size = vocab_size        # the target's: q is padded to it
+        self.vocab_size = vocab_size  # the target's: q is padded to it
         self.cache = make_cache(draft.model)
         check_speculation(self.cache, draft.model_type, "a draft model")
         # Recurrent layers (a hybrid or Mamba draft model) roll back to a snapshot of their
         # state, taken before each draft position: the drafts are fed one at a time.
         self.recurrent = any(is_recurrent(c) for c in self.cache)
         self.snapshots = Snapshots()
-        self.context: List[int] = []        # committed tokens
-        self.cached: List[int] = []         # tokens whose K/V are in self.cache
-        self.pending = None                 # the last drafts (lazy until verification)
+        self.context: List[int] = []  # committed tokens
+        self.cached: List[int] = []  # tokens whose K/V are in self.cache
+        self.pending = None  # the last drafts (lazy until verification)
 
     def _feed(self, tokens: List[int]):
         logits, _ = self.draft.forward(mx.array(tokens)[None], self.cache)
@@ -78,14 +80,14 @@ class DraftModelDrafter(Drafter):
         self.pending = None
         if k == 0:
             return Draft()
-        position = len(self.context)   # of the next draft
+        position = len(self.context)  # of the next draft
         self.snapshots = Snapshots()
-        fed = len(self.context)           # positions in the cache once the context is fed
+        fed = len(self.context)  # positions in the cache once the context is fed
 
         def draw(logits):
             nonlocal position
             position += 1
-            return self.sampler.draw(logits[0, -1:, :self.vocab_size], [position - 1], self.vocab_size)
+            return self.sampler.draw(logits[0, -1:, : self.vocab_size], [position - 1], self.vocab_size)
 
         def next_draw(previous):  # feeds the previous draft, lazily: no sync unless stopping early
             nonlocal fed
@@ -94,7 +96,7 @@ class DraftModelDrafter(Drafter):
             self._snapshot(fed)
             return draw(logits)
 
-        draft = self.chain_draws(k, lambda: draw(self._feed(self.context[len(self.cached):])), next_draw)
+        draft = self.chain_draws(k, lambda: draw(self._feed(self.context[len(self.cached) :])), next_draw)
         self.pending = draft.tokens
         return draft
 

@@ -25,10 +25,11 @@ class FeatureDraftModel(Protocol):
     """What EagleDrafter drafts with: an EAGLE-3 layer (models/eagle3.py) or an MTP module
     (models/mtp.py). Position t of its cache pairs token t+1 with the target's feature at t;
     its output at t, fed back as the next position's hidden state, predicts token t+2."""
-    taps: Sequence[int]              # target layers whose features it reads (DESIGN.md convention)
-    draft_vocab_size: int            # columns of its head
-    draft_ids: Optional[mx.array]    # the target id of each column (None: the target's vocabulary)
-    supports_tree: bool              # whether __call__ takes positions and a mask (EAGLE-2 trees)
+
+    taps: Sequence[int]  # target layers whose features it reads (DESIGN.md convention)
+    draft_vocab_size: int  # columns of its head
+    draft_ids: Optional[mx.array]  # the target id of each column (None: the target's vocabulary)
+    supports_tree: bool  # whether __call__ takes positions and a mask (EAGLE-2 trees)
 
     def make_cache(self) -> list: ...
 
@@ -54,11 +55,11 @@ class EagleDrafter(Drafter):
         self.tree_budget, self.tree_topk = tree_budget, tree_topk  # tree mode when budget > 0
         self.tree = tree_budget > 0
         self.taps = model.taps
-        self.vocab_size = vocab_size        # the target's: q spans it
+        self.vocab_size = vocab_size  # the target's: q spans it
         self.target_ids = model.draft_ids  # column j's target id (None: the target's vocabulary)
         self.cache = model.make_cache()
-        self.paired: List[int] = []         # paired[t]: the token at cache position t (context[t+1])
-        self.last_hidden = None             # the layer's output at the last position: drafts from it
+        self.paired: List[int] = []  # paired[t]: the token at cache position t (context[t+1])
+        self.last_hidden = None  # the layer's output at the last position: drafts from it
         # Committed (tokens, features) not yet run through the layer: while the policy runs plain
         # steps nothing is paid per step; the next proposal runs them all in one batch.
         self.waiting: List[tuple] = []
@@ -89,26 +90,27 @@ class EagleDrafter(Drafter):
         rollback_to(self.cache, start)  # also drops drafts of an interrupted step
         self.paired = self.paired[:start]
         self.last_hidden = None
-        if taps:   # a one-token prompt has no feature yet: the first step is plain
-            self._extend(context[start + 1:], self._fuse(taps))
+        if taps:  # a one-token prompt has no feature yet: the first step is plain
+            self._extend(context[start + 1 :], self._fuse(taps))
 
     def propose(self, k):
         if k == 0:
             return Draft()
         self._catch_up()
-        if self.last_hidden is None:   # nothing paired yet (a one-token prompt's first step)
+        if self.last_hidden is None:  # nothing paired yet (a one-token prompt's first step)
             return Draft()
         if self.tree_budget:
             return self._propose_tree(depth=k)
-        hidden, position = self.last_hidden, len(self.paired) + 1   # of the first draft
+        hidden, position = self.last_hidden, len(self.paired) + 1  # of the first draft
 
         def draw():
             # Filtered and tempered like the target's distribution over the draft vocabulary;
             # the target ids outside it have probability 0 either way.
             nonlocal position
             position += 1
-            return self.sampler.draw(self.model.logits(hidden[0, -1:]), [position - 1], self.vocab_size,
-                                     ids=self.target_ids)
+            return self.sampler.draw(
+                self.model.logits(hidden[0, -1:]), [position - 1], self.vocab_size, ids=self.target_ids
+            )
 
         def next_draw(previous):  # feeds the previous draft and the layer's own output, lazily
             nonlocal hidden
@@ -133,12 +135,13 @@ class EagleDrafter(Drafter):
         topk, offset = min(self.tree_topk, self.model.draft_vocab_size), len(self.paired)
         # pool entries: [draft-vocab id, parent pool index (-1: root), depth, score, cache slot]
         pool, slots = [], []
-        hidden = self.last_hidden[0]                      # the hidden each frontier row continues
-        rows = [-1]                                       # pool index of each row of `hidden`
+        hidden = self.last_hidden[0]  # the hidden each frontier row continues
+        rows = [-1]  # pool index of each row of `hidden`
         for level in range(1, depth + 1):
             # Every node of a level drafts the token at the same position.
-            logp = self.sampler.tree_log_probs(self.model.logits(hidden), [offset + level] * len(rows),
-                                               self.vocab_size, ids=self.target_ids)
+            logp = self.sampler.tree_log_probs(
+                self.model.logits(hidden), [offset + level] * len(rows), self.vocab_size, ids=self.target_ids
+            )
             ids = mx.argpartition(-logp, kth=topk - 1, axis=-1)[:, :topk]
             values = mx.take_along_axis(logp, ids, axis=-1)
             ids, values = ids.tolist(), values.tolist()
@@ -166,16 +169,24 @@ class EagleDrafter(Drafter):
                 slots.append(node)
             tokens = self.target_ids[mx.array([pool[node][0] for node in frontier])]
             positions = mx.array([offset + level - 1] * len(frontier))
-            hidden = self.model(self.model.embed(tokens[None]), hidden[mx.array(parent_rows)][None],
-                                self.cache, positions=positions, mask=mx.array(mask))[0]
+            hidden = self.model(
+                self.model.embed(tokens[None]),
+                hidden[mx.array(parent_rows)][None],
+                self.cache,
+                positions=positions,
+                mask=mx.array(mask),
+            )[0]
             rows = frontier
         # The best nodes. A child never scores above its parent (log-probabilities are <= 0) and
         # ties go to the shallower node, so every chosen node's ancestors are chosen too.
-        chosen = sorted(range(len(pool)), key=lambda i: (-pool[i][3], pool[i][2]))[:self.tree_budget]
-        order, parents = breadth_first(chosen, lambda i: pool[i][1] if pool[i][1] >= 0 else None,
-                                       key=lambda i: (pool[i][2], -pool[i][3]))
+        chosen = sorted(range(len(pool)), key=lambda i: (-pool[i][3], pool[i][2]))[: self.tree_budget]
+        order, parents = breadth_first(
+            chosen, lambda i: pool[i][1] if pool[i][1] >= 0 else None, key=lambda i: (pool[i][2], -pool[i][3])
+        )
         tokens = self.target_ids[mx.array([pool[node][0] for node in order])].tolist()
         # Each node's probability given its parent: exp(score - the parent's score).
-        confidence = [float(np.exp(pool[node][3] - (pool[pool[node][1]][3] if pool[node][1] >= 0 else 0.0)))
-                      for node in order]
+        confidence = [
+            float(np.exp(pool[node][3] - (pool[pool[node][1]][3] if pool[node][1] >= 0 else 0.0)))
+            for node in order
+        ]
         return Draft(tokens=tokens, parents=parents, confidence=confidence, levels=depth)

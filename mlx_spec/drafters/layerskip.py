@@ -28,19 +28,23 @@ class LayerSkipDrafter(Drafter):
     def __init__(self, target, exit_layer: int):
         n = target.num_layers
         if not 1 <= exit_layer < n:
-            raise MlxSpecError(f"--exit-layer must lie in 1..{n - 1} for this {n}-layer model, got {exit_layer}")
+            raise MlxSpecError(
+                f"--exit-layer must lie in 1..{n - 1} for this {n}-layer model, got {exit_layer}"
+            )
         self.target, self.exit_layer = target, exit_layer
-        self.target_cache = None   # bind: the engine's cache, as it is now
+        self.target_cache = None  # bind: the engine's cache, as it is now
         self.last_token = None
-        self.position = 0          # of the first draft
-        self.exits: List[mx.array] = []   # exit-layer states of the positions drafted this step
+        self.position = 0  # of the first draft
+        self.exits: List[mx.array] = []  # exit-layer states of the positions drafted this step
 
     def bind(self, sampler, target_cache, keep_drafting=None) -> None:
         """It drafts in the engine's cache: plain KV caches only."""
         kinds = {type(c).__name__ for c in target_cache()}
         if kinds != {"KVCache"}:
-            raise MlxSpecError(f"--draft layerskip needs plain KV caches; this {self.target.model_type} model "
-                               f"has {', '.join(sorted(kinds))}")
+            raise MlxSpecError(
+                f"--draft layerskip needs plain KV caches; this {self.target.model_type} model "
+                f"has {', '.join(sorted(kinds))}"
+            )
         super().bind(sampler, target_cache, keep_drafting)
         self.target_cache = target_cache
 
@@ -62,8 +66,9 @@ class LayerSkipDrafter(Drafter):
         for i in range(k):
             h = self._layers(self.target.embed(token[None]), 0, self.exit_layer)
             self.exits.append(h)
-            tokens, q, confidence = self.sampler.draw(self.target.head(h[0]), [self.position + i],
-                                                      self.target.vocab_size)
+            tokens, q, confidence = self.sampler.draw(
+                self.target.head(h[0]), [self.position + i], self.target.vocab_size
+            )
             draws.append((tokens, q, confidence))
             token = tokens
         return Draft.chain(draws)
@@ -74,11 +79,11 @@ class LayerSkipDrafter(Drafter):
         m1, early = inputs.shape[1], len(self.exits)
         if early == 0:
             return self.target.forward(inputs, cache, taps)
-        if m1 <= early:   # fewer verified than drafted: drop the surplus
+        if m1 <= early:  # fewer verified than drafted: drop the surplus
             offset = cache[0].offset - (early - m1)
-            rollback_to(cache[:self.exit_layer], offset)
+            rollback_to(cache[: self.exit_layer], offset)
             exits = self.exits[:m1]
-        else:             # d_k has not been through the early layers yet
+        else:  # d_k has not been through the early layers yet
             exits = self.exits + [self._layers(self.target.embed(inputs[:, early:]), 0, self.exit_layer)]
         h = self._layers(mx.concatenate(exits, axis=1), self.exit_layer, self.target.num_layers)
         return self.target.lm_head(self.target.final_norm(h)), {}

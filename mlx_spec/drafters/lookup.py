@@ -21,8 +21,8 @@ class LookupDrafter(Drafter):
             raise MlxSpecError(f"need 1 <= --ngram-min <= --ngram-max, got {ngram_min}, {ngram_max}")
         self.ngram_max, self.ngram_min = ngram_max, ngram_min
         self.tokens: List[int] = []
-        self.index: Dict[Tuple[int, ...], int] = {}   # n-gram -> end position of latest occurrence
-        self.pending: List[int] = []                   # the drafts of the last step
+        self.index: Dict[Tuple[int, ...], int] = {}  # n-gram -> end position of latest occurrence
+        self.pending: List[int] = []  # the drafts of the last step
 
     # The index holds every n-gram that ends at or before position len(tokens) - 2, so a match
     # of the context's suffix is always an EARLIER occurrence with at least one token after it.
@@ -30,7 +30,7 @@ class LookupDrafter(Drafter):
         end = len(self.tokens) - 1
         for n in range(self.ngram_min, self.ngram_max + 1):
             if end + 1 >= n:
-                self.index[tuple(self.tokens[end + 1 - n:end + 1])] = end
+                self.index[tuple(self.tokens[end + 1 - n : end + 1])] = end
         self.tokens.append(token)
 
     def prefill(self, context, taps, start):
@@ -53,7 +53,7 @@ class LookupDrafter(Drafter):
 
     def propose(self, k: int) -> Draft:
         m, end = self._match()
-        self.pending = self.tokens[end + 1:end + 1 + k] if m else []
+        self.pending = self.tokens[end + 1 : end + 1 + k] if m else []
         return Draft(tokens=self.pending, confidence=[m / (m + 1)] * len(self.pending))
 
     def commit(self, accepted, next_token, taps):

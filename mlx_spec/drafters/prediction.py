@@ -24,17 +24,17 @@ class PredictionDrafter(Drafter):
         self.ends: Dict[Tuple[int, ...], List[int]] = {}
         for end in range(len(self.prediction)):
             for n in range(1, min(ngram_max, end + 1) + 1):
-                self.ends.setdefault(tuple(self.prediction[end + 1 - n:end + 1]), []).append(end)
-        self.tail: List[int] = []   # the context's last tokens
-        self.written = 0            # tokens of the reply so far
-        self.cursor = 0             # where in the prediction the reply is thought to be
+                self.ends.setdefault(tuple(self.prediction[end + 1 - n : end + 1]), []).append(end)
+        self.tail: List[int] = []  # the context's last tokens
+        self.written = 0  # tokens of the reply so far
+        self.cursor = 0  # where in the prediction the reply is thought to be
 
     def prefill(self, context, taps, start):
-        self.tail, self.written, self.cursor = list(context[-self.ngram_max:]), 0, 0
+        self.tail, self.written, self.cursor = list(context[-self.ngram_max :]), 0, 0
 
     def _match(self) -> Tuple[int, int]:
         """(n, the position in the prediction after the matched n-gram), or (0, -1)."""
-        if self.written == 0:   # the reply begins: so does the prediction
+        if self.written == 0:  # the reply begins: so does the prediction
             return self.ngram_max, 0
         for n in range(min(self.ngram_max, len(self.tail), self.written), 0, -1):
             ends = self.ends.get(tuple(self.tail[-n:]))
@@ -49,11 +49,11 @@ class PredictionDrafter(Drafter):
         if n == 0 or start >= len(self.prediction):
             return Draft()
         self.cursor = start
-        tokens = self.prediction[start:start + k]
+        tokens = self.prediction[start : start + k]
         return Draft(tokens=tokens, confidence=[n / (n + 1)] * len(tokens))
 
     def commit(self, accepted, next_token, taps):
         committed = list(accepted) + [next_token]
-        self.tail = (self.tail + committed)[-self.ngram_max:]
+        self.tail = (self.tail + committed)[-self.ngram_max :]
         self.written += len(committed)
         self.cursor += len(committed)

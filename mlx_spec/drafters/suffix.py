@@ -21,8 +21,8 @@ from ..suffix_memory import MATCH_LENGTHS, MAX_OCCURRENCES
 from ..tree import breadth_first
 from .base import Draft, Drafter
 
-FACTOR = 4              # the most nodes per matched token
-MIN_PROBABILITY = 0.1   # a token's probability given its parent, below which it is not drafted
+FACTOR = 4  # the most nodes per matched token
+MIN_PROBABILITY = 0.1  # a token's probability given its parent, below which it is not drafted
 
 
 class ContextIndex:
@@ -39,7 +39,7 @@ class ContextIndex:
         for n in MATCH_LENGTHS:
             if n > end + 1:
                 break
-            self.ends.setdefault(tuple(self.tokens[end + 1 - n:]), []).append(end)
+            self.ends.setdefault(tuple(self.tokens[end + 1 - n :]), []).append(end)
 
     def continuations(self, depth: int) -> Tuple[int, List[List[int]]]:
         """As SuffixMemory.continuations, for the tokens' own last n-gram (its last
@@ -48,15 +48,18 @@ class ContextIndex:
             if n <= len(self.tokens):
                 ends = self.ends[tuple(self.tokens[-n:])]
                 if len(ends) > 1:
-                    return n, [self.tokens[e + 1:e + 1 + depth] for e in reversed(ends[-1 - MAX_OCCURRENCES:-1])]
+                    return n, [
+                        self.tokens[e + 1 : e + 1 + depth] for e in reversed(ends[-1 - MAX_OCCURRENCES : -1])
+                    ]
         return 0, []
 
 
-def best_tree(continuations: Sequence[Sequence[int]], match_length: int, depth: int, budget: int,
-              chain: bool) -> Tuple[Draft, float]:
+def best_tree(
+    continuations: Sequence[Sequence[int]], match_length: int, depth: int, budget: int, chain: bool
+) -> Tuple[Draft, float]:
     """The draft tree of the continuations (see the module's docstring) and its expected
     accepted length (the sum of its nodes' path probabilities, if they were true)."""
-    root: dict = {}   # token -> [count, children]
+    root: dict = {}  # token -> [count, children]
     for continuation in continuations:
         node = root
         for token in continuation[:depth]:
@@ -65,7 +68,7 @@ def best_tree(continuations: Sequence[Sequence[int]], match_length: int, depth: 
             node = entry[1]
     size = min(budget, FACTOR * match_length)
     # Best-first by path probability: a child never beats its parent, so parents come first.
-    chosen = []   # (path probability, its probability, token, depth, parent index or None, children)
+    chosen = []  # (path probability, its probability, token, depth, parent index or None, children)
     heap = []
 
     def offer(children: dict, path: float, level: int, parent: Optional[int]) -> None:
@@ -79,16 +82,20 @@ def best_tree(continuations: Sequence[Sequence[int]], match_length: int, depth: 
     while heap and len(chosen) < size:
         neg, level, _, token, p, parent, children = heapq.heappop(heap)
         if chain:
-            heap = []   # the best child only
+            heap = []  # the best child only
         chosen.append((-neg, p, token, level, parent))
         if level < depth:
             offer(children, -neg, level + 1, len(chosen) - 1)
     if not chosen:
         return Draft(), 0.0
-    order, parents = breadth_first(range(len(chosen)), lambda i: chosen[i][4],
-                                   key=lambda i: (chosen[i][3], -chosen[i][0], i))
-    draft = Draft(tokens=[chosen[i][2] for i in order], parents=None if chain else parents,
-                  confidence=[chosen[i][1] for i in order])
+    order, parents = breadth_first(
+        range(len(chosen)), lambda i: chosen[i][4], key=lambda i: (chosen[i][3], -chosen[i][0], i)
+    )
+    draft = Draft(
+        tokens=[chosen[i][2] for i in order],
+        parents=None if chain else parents,
+        confidence=[chosen[i][1] for i in order],
+    )
     return draft, sum(c[0] for c in chosen)
 
 
@@ -104,7 +111,7 @@ class SuffixDrafter(Drafter):
 
     def chains(self):
         twin = self.spawn()
-        twin.tree = False    # the tree's most probable path
+        twin.tree = False  # the tree's most probable path
         return twin
 
     def prefill(self, context, taps, start):
@@ -121,8 +128,9 @@ class SuffixDrafter(Drafter):
         best, expected = Draft(), 0.0
         for match_length, continuations in candidates:
             if match_length:
-                draft, value = best_tree(continuations, match_length, k,
-                                         self.budget if self.tree else k, chain=not self.tree)
+                draft, value = best_tree(
+                    continuations, match_length, k, self.budget if self.tree else k, chain=not self.tree
+                )
                 if value > expected:
                     best, expected = draft, value
         return best

@@ -43,7 +43,7 @@ KINDS = {
     "dflash": ("a DFlash drafter", ("dflash", "ddtree")),
     "eagle": ("an EAGLE-3 drafter", ("eagle",)),
     "medusa": ("Medusa heads", ("medusa",)),
-    "model": ("a language model", ("model", "mtp")),   # mtp: its MTP weights
+    "model": ("a language model", ("model", "mtp")),  # mtp: its MTP weights
 }
 
 
@@ -53,8 +53,12 @@ def checkpoint_kind(config: dict):
     architectures = [str(a) for a in config.get("architectures") or []]
     if "DFlashDraftModel" in architectures or "dflash_config" in config:
         return "dflash"
-    if (config.get("speculators_model_type") or any("eagle" in a.lower() for a in architectures)
-            or "eagle_aux_hidden_state_layer_ids" in config or "draft_vocab_size" in config):
+    if (
+        config.get("speculators_model_type")
+        or any("eagle" in a.lower() for a in architectures)
+        or "eagle_aux_hidden_state_layer_ids" in config
+        or "draft_vocab_size" in config
+    ):
         return "eagle"
     if "medusa_num_heads" in config or config.get("model_type") == "medusa":
         return "medusa"
@@ -77,8 +81,10 @@ def check_kind(path, method: str) -> None:
 def check_not_pickled(path) -> None:
     path = Path(path)
     if not list(path.glob("*.safetensors")) and any(f.suffix in PICKLED for f in path.iterdir()):
-        raise MlxSpecError(f"{path} holds pickled weights only; mlx-spec loads safetensors and GGUF, "
-                           "never pickles (convert them with a tool you trust first)")
+        raise MlxSpecError(
+            f"{path} holds pickled weights only; mlx-spec loads safetensors and GGUF, "
+            "never pickles (convert them with a tool you trust first)"
+        )
 
 
 def safetensors_header(path):
@@ -103,8 +109,12 @@ def quantize_as_stored(model, config: dict, weights: dict) -> None:
 
     q = config.get("quantization")
     if q:
-        nn.quantize(model, group_size=q["group_size"], bits=q["bits"],
-                    class_predicate=lambda name, module: f"{name}.scales" in weights)
+        nn.quantize(
+            model,
+            group_size=q["group_size"],
+            bits=q["bits"],
+            class_predicate=lambda name, module: f"{name}.scales" in weights,
+        )
 
 
 # A drafter's reduced vocabulary (models/vocabulary.py), kept next to its weights, not among them.

@@ -43,9 +43,15 @@ SHIPPED_DRAFTERS = Path(__file__).resolve().parent.parent / "shipped" / "smollm2
 # here, the Hugging Face checkpoint in the hub cache, a conversion to another dtype): its
 # architecture, and a hash of its tokenizer's vocabulary (tests/test_default_model.py checks
 # both against the converted default model).
-DEFAULT_ARCHITECTURE = {"model_type": "llama", "hidden_size": 576, "num_hidden_layers": 30,
-                        "intermediate_size": 1536, "num_attention_heads": 9, "num_key_value_heads": 3,
-                        "vocab_size": 49152}
+DEFAULT_ARCHITECTURE = {
+    "model_type": "llama",
+    "hidden_size": 576,
+    "num_hidden_layers": 30,
+    "intermediate_size": 1536,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "vocab_size": 49152,
+}
 DEFAULT_VOCABULARY_HASH = "450fd25da1a689ff"
 
 

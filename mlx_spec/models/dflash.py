@@ -43,10 +43,10 @@ class ModelArgs(BaseModelArgs):
     max_position_embeddings: int = 32768
     attention_bias: bool = False
     block_size: int = 16
-    target_layer_ids: Optional[List[int]] = None   # None: spread over the target (see load_dflash)
+    target_layer_ids: Optional[List[int]] = None  # None: spread over the target (see load_dflash)
     layer_types: Optional[List[str]] = None
     sliding_window: Optional[int] = None
-    num_target_layers: Optional[int] = None   # the layers of the target it was trained on (z-lab's configs)
+    num_target_layers: Optional[int] = None  # the layers of the target it was trained on (z-lab's configs)
 
     def __post_init__(self):
         if self.head_dim is None:
@@ -82,7 +82,7 @@ class Attention(nn.Module):
         super().__init__()
         self.n_heads, self.n_kv_heads = args.num_attention_heads, args.num_key_value_heads
         head_dim, dim, bias = args.head_dim, args.hidden_size, args.attention_bias
-        self.scale = head_dim ** -0.5
+        self.scale = head_dim**-0.5
         self.sliding_window = sliding_window
         self.q_proj = nn.Linear(dim, self.n_heads * head_dim, bias=bias)
         self.k_proj = nn.Linear(dim, self.n_kv_heads * head_dim, bias=bias)
@@ -100,7 +100,7 @@ class Attention(nn.Module):
 
     def __call__(self, x: mx.array, cache: KVCache, rope) -> mx.array:
         B, L, _ = x.shape
-        offset = cache.offset            # the block sits right after the cached context
+        offset = cache.offset  # the block sits right after the cached context
         queries = self.q_norm(self.q_proj(x).reshape(B, L, self.n_heads, -1)).transpose(0, 2, 1, 3)
         queries = rope(queries, offset=offset)
         keys, values = self.keys_values(x, rope, offset)
@@ -132,7 +132,7 @@ class DecoderLayer(nn.Module):
 
 
 class DFlashModel(nn.Module):
-    rows = None   # vocabulary.OutputRows of a reduced draft vocabulary; None: the target's lm_head
+    rows = None  # vocabulary.OutputRows of a reduced draft vocabulary; None: the target's lm_head
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -143,10 +143,12 @@ class DFlashModel(nn.Module):
         layer_types = args.layer_types or ["full_attention"] * args.num_hidden_layers
         self.layers = [
             DecoderLayer(args, args.sliding_window if layer_types[i] == "sliding_attention" else None)
-            for i in range(args.num_hidden_layers)]
+            for i in range(args.num_hidden_layers)
+        ]
         self.norm = nn.RMSNorm(H, eps=args.rms_norm_eps)
-        self.rope = initialize_rope(args.head_dim, args.rope_theta, False, args.rope_scaling,
-                                    args.max_position_embeddings)
+        self.rope = initialize_rope(
+            args.head_dim, args.rope_theta, False, args.rope_scaling, args.max_position_embeddings
+        )
 
     def use_vocabulary(self, ids, target) -> None:
         """Draft over the target ids `ids` only, with those rows of the target's output layer."""
@@ -183,8 +185,10 @@ class DFlashModel(nn.Module):
 def _read_config(path: Path) -> dict:
     config = read_config(path, "DFlash drafter")
     if ARCHITECTURE not in (config.get("architectures") or []):
-        raise MlxSpecError(f"not a DFlash drafter: {path}/config.json has architectures "
-                           f"{config.get('architectures')}, expected [\"{ARCHITECTURE}\"]")
+        raise MlxSpecError(
+            f"not a DFlash drafter: {path}/config.json has architectures "
+            f'{config.get("architectures")}, expected ["{ARCHITECTURE}"]'
+        )
     return config
 
 
@@ -193,23 +197,31 @@ def _check(args: ModelArgs, target) -> None:
     if args.block_size < 2:
         raise MlxSpecError(f"DFlash block size must be >= 2, got {args.block_size}")
     if args.layer_types is not None and len(args.layer_types) != args.num_hidden_layers:
-        raise MlxSpecError(f"DFlash config.json has {len(args.layer_types)} layer_types for "
-                           f"{args.num_hidden_layers} layers")
+        raise MlxSpecError(
+            f"DFlash config.json has {len(args.layer_types)} layer_types for {args.num_hidden_layers} layers"
+        )
     if "sliding_attention" in (args.layer_types or []) and not args.sliding_window:
         raise MlxSpecError("DFlash config.json has sliding_attention layers but no sliding_window")
     if args.num_target_layers is not None and args.num_target_layers != target.num_layers:
-        raise MlxSpecError(f"this DFlash drafter was trained on a target of {args.num_target_layers} layers; "
-                           f"this one has {target.num_layers}")
+        raise MlxSpecError(
+            f"this DFlash drafter was trained on a target of {args.num_target_layers} layers; "
+            f"this one has {target.num_layers}"
+        )
     if args.hidden_size != target.hidden_size:
-        raise MlxSpecError(f"DFlash drafter hidden size {args.hidden_size} does not match the "
-                           f"target's {target.hidden_size}")
+        raise MlxSpecError(
+            f"DFlash drafter hidden size {args.hidden_size} does not match the target's {target.hidden_size}"
+        )
     for i in args.target_layer_ids:
         if not -1 <= i < target.num_layers:
-            raise MlxSpecError(f"DFlash drafter taps target layer {i}, but the target has "
-                               f"{target.num_layers} layers (0..{target.num_layers - 1})")
+            raise MlxSpecError(
+                f"DFlash drafter taps target layer {i}, but the target has "
+                f"{target.num_layers} layers (0..{target.num_layers - 1})"
+            )
     if not 0 <= args.mask_token_id < target.vocab_size:
-        raise MlxSpecError(f"DFlash mask token id {args.mask_token_id} is outside the target's "
-                           f"vocabulary ({target.vocab_size} tokens)")
+        raise MlxSpecError(
+            f"DFlash mask token id {args.mask_token_id} is outside the target's "
+            f"vocabulary ({target.vocab_size} tokens)"
+        )
 
 
 def load_dflash(path, target) -> DFlashModel:

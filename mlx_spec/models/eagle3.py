@@ -45,8 +45,8 @@ class ModelArgs:
     max_position_embeddings: int = 2048
     attention_bias: bool = False
     mlp_bias: bool = False
-    vocab_size: int = 32000                   # the target's vocabulary
-    draft_vocab_size: Optional[int] = None    # the head's; None = vocab_size
+    vocab_size: int = 32000  # the target's vocabulary
+    draft_vocab_size: Optional[int] = None  # the head's; None = vocab_size
     target_hidden_size: Optional[int] = None  # None = hidden_size
     norm_before_residual: bool = False
     # Fused target layers in the EAGLE/vLLM convention (input of layer i); None = (2, N//2, N-3).
@@ -80,8 +80,9 @@ class ModelArgs:
         if kind:  # vLLM, which serves speculators checkpoints, reads a missing one as True
             args.setdefault("norm_before_residual", True)
         nested = config.get("eagle_config") or {}  # where some HF-style exports put the ids
-        args["aux_layer_ids"] = (config.get("eagle_aux_hidden_state_layer_ids")
-                                 or nested.get("eagle_aux_hidden_state_layer_ids"))
+        args["aux_layer_ids"] = config.get("eagle_aux_hidden_state_layer_ids") or nested.get(
+            "eagle_aux_hidden_state_layer_ids"
+        )
         names = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in args.items() if k in names})
 
@@ -95,14 +96,15 @@ class Attention(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.n_heads, self.n_kv_heads = args.num_attention_heads, args.num_key_value_heads
-        self.scale = args.head_dim ** -0.5
+        self.scale = args.head_dim**-0.5
         width, bias = 2 * args.hidden_size, args.attention_bias
         self.q_proj = nn.Linear(width, self.n_heads * args.head_dim, bias=bias)
         self.k_proj = nn.Linear(width, self.n_kv_heads * args.head_dim, bias=bias)
         self.v_proj = nn.Linear(width, self.n_kv_heads * args.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.n_heads * args.head_dim, args.hidden_size, bias=bias)
-        self.rope = initialize_rope(args.head_dim, args.rope_theta, False, args.rope_scaling,
-                                    args.max_position_embeddings)
+        self.rope = initialize_rope(
+            args.head_dim, args.rope_theta, False, args.rope_scaling, args.max_position_embeddings
+        )
 
     def _rotate(self, x, offset, positions):
         if positions is None:
@@ -175,8 +177,14 @@ class Model(nn.Module):
         """[..., n_fused * target H] concatenated target taps -> the layer's hidden input."""
         return self.fc(features)
 
-    def __call__(self, embeds: mx.array, hidden: mx.array, cache: List[KVCache],
-                 positions: Optional[mx.array] = None, mask=None) -> mx.array:
+    def __call__(
+        self,
+        embeds: mx.array,
+        hidden: mx.array,
+        cache: List[KVCache],
+        positions: Optional[mx.array] = None,
+        mask=None,
+    ) -> mx.array:
         """embeds, hidden [1, n, H] -> the layer's pre-norm output [1, n, H] (fed back as the
         next step's hidden). positions [n] (int) default to cache.offset + arange(n); mask
         defaults to causal; a tree passes both (node depths, ancestors + cached prefix)."""
@@ -211,7 +219,7 @@ class Model(nn.Module):
             if name == "t2d":  # the reverse mask; d2t says everything needed
                 continue
             if name.startswith("layers.0."):  # speculators' name for the layer
-                name = "midlayer." + name[len("layers.0."):]
+                name = "midlayer." + name[len("layers.0.") :]
             out[name] = w.astype(mx.int32) if name == "d2t" else w
         if "d2t" not in out and self.args.draft_vocab_size == self.args.vocab_size:
             out["d2t"] = self.d2t  # same vocabulary: the identity
@@ -221,35 +229,45 @@ class Model(nn.Module):
 def _check_against_target(args: ModelArgs, weights: dict, target, path: Path, bits=None) -> None:
     n = target.num_layers
     if args.num_hidden_layers != 1:
-        raise MlxSpecError(f"{path}: EAGLE-3 with {args.num_hidden_layers} draft layers is not "
-                           "supported (1 expected)")
+        raise MlxSpecError(
+            f"{path}: EAGLE-3 with {args.num_hidden_layers} draft layers is not supported (1 expected)"
+        )
     if args.hidden_act != "silu":
         raise MlxSpecError(f"{path}: activation {args.hidden_act!r} is not supported (silu expected)")
     for i in args.aux_layer_ids:
         if not 0 <= i <= n:
-            raise MlxSpecError(f"{path}: fuses target layer {i}, outside this target's {n} layers "
-                               f"(layer ids name layer inputs: 0..{n})")
+            raise MlxSpecError(
+                f"{path}: fuses target layer {i}, outside this target's {n} layers "
+                f"(layer ids name layer inputs: 0..{n})"
+            )
     if not args.has_embedding and args.hidden_size != target.hidden_size:
-        raise MlxSpecError(f"{path}: hidden size {args.hidden_size} differs from the target's "
-                           f"{target.hidden_size} and the checkpoint has no embed_tokens of its own")
+        raise MlxSpecError(
+            f"{path}: hidden size {args.hidden_size} differs from the target's "
+            f"{target.hidden_size} and the checkpoint has no embed_tokens of its own"
+        )
     fc_in = weights["fc.weight"].shape[1] if "fc.weight" in weights else None
-    if fc_in is not None and "fc.scales" in weights:   # quantized: `bits`-bit values packed in uint32
+    if fc_in is not None and "fc.scales" in weights:  # quantized: `bits`-bit values packed in uint32
         fc_in = fc_in * 32 // bits
     fused_width = len(args.aux_layer_ids) * target.hidden_size
     if args.target_hidden_size != target.hidden_size or fc_in not in (None, fused_width):
         raise MlxSpecError(
             f"{path}: its fc fuses {len(args.aux_layer_ids)} features of width "
             f"{args.target_hidden_size} (fc input {fc_in}); this target's hidden size is "
-            f"{target.hidden_size}")
+            f"{target.hidden_size}"
+        )
     if args.vocab_size != target.vocab_size:
-        raise MlxSpecError(f"{path}: trained for a {args.vocab_size}-token vocabulary; the "
-                           f"target's has {target.vocab_size}")
+        raise MlxSpecError(
+            f"{path}: trained for a {args.vocab_size}-token vocabulary; the target's has {target.vocab_size}"
+        )
     if "d2t" not in weights:
-        raise MlxSpecError(f"{path}: draft vocabulary of {args.draft_vocab_size} tokens but no d2t "
-                           "mapping to the target's")
+        raise MlxSpecError(
+            f"{path}: draft vocabulary of {args.draft_vocab_size} tokens but no d2t mapping to the target's"
+        )
     if weights["d2t"].shape != (args.draft_vocab_size,):
-        raise MlxSpecError(f"{path}: d2t has shape {tuple(weights['d2t'].shape)}, the draft vocabulary "
-                           f"{args.draft_vocab_size} tokens")
+        raise MlxSpecError(
+            f"{path}: d2t has shape {tuple(weights['d2t'].shape)}, the draft vocabulary "
+            f"{args.draft_vocab_size} tokens"
+        )
     vocabulary.ids_from_d2t(weights["d2t"], target.vocab_size, path)
 
 

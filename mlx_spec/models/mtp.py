@@ -51,28 +51,56 @@ from .checkpoint import check_not_pickled, one_line, read_config, safetensors_he
 @dataclass(frozen=True)
 class Layout:
     name: str
-    prefix: str              # of module i's wrapper weights, with {i} and {n} (= num_hidden_layers)
-    layer_prefix: str        # of module i's decoder layer
+    prefix: str  # of module i's wrapper weights, with {i} and {n} (= num_hidden_layers)
+    layer_prefix: str  # of module i's decoder layer
     embed_norm: str
     hidden_norm: str
     proj: str
     final_norm: str
-    hidden_first: bool       # concatenation order [hidden ; embedding]
-    normed_output: bool      # the module returns final_norm(out) and logits = lm_head(out)
-    zero_first_position: bool = True   # the embedding at position 0 is zeroed
+    hidden_first: bool  # concatenation order [hidden ; embedding]
+    normed_output: bool  # the module returns final_norm(out) and logits = lm_head(out)
+    zero_first_position: bool = True  # the embedding at position 0 is zeroed
     normed_target_hidden: bool = True  # it reads the target's hidden state after the final norm
     zero_centred_norms: bool = False
 
 
 LAYOUTS = {
-    "deepseek": Layout("deepseek", "model.layers.{n}.", "model.layers.{n}.", "enorm", "hnorm", "eh_proj",
-                       "shared_head.norm", hidden_first=False, normed_output=False),
-    "mimo": Layout("mimo", "model.mtp_layers.{i}.", "model.mtp_layers.{i}.", "token_layernorm",
-                   "hidden_layernorm", "input_proj", "final_layernorm", hidden_first=True, normed_output=True,
-                   normed_target_hidden=False),
-    "qwen3_next": Layout("qwen3_next", "mtp.", "mtp.layers.{i}.", "pre_fc_norm_embedding", "pre_fc_norm_hidden",
-                         "fc", "norm", hidden_first=False, normed_output=True, zero_first_position=False,
-                         zero_centred_norms=True),
+    "deepseek": Layout(
+        "deepseek",
+        "model.layers.{n}.",
+        "model.layers.{n}.",
+        "enorm",
+        "hnorm",
+        "eh_proj",
+        "shared_head.norm",
+        hidden_first=False,
+        normed_output=False,
+    ),
+    "mimo": Layout(
+        "mimo",
+        "model.mtp_layers.{i}.",
+        "model.mtp_layers.{i}.",
+        "token_layernorm",
+        "hidden_layernorm",
+        "input_proj",
+        "final_layernorm",
+        hidden_first=True,
+        normed_output=True,
+        normed_target_hidden=False,
+    ),
+    "qwen3_next": Layout(
+        "qwen3_next",
+        "mtp.",
+        "mtp.layers.{i}.",
+        "pre_fc_norm_embedding",
+        "pre_fc_norm_hidden",
+        "fc",
+        "norm",
+        hidden_first=False,
+        normed_output=True,
+        zero_first_position=False,
+        zero_centred_norms=True,
+    ),
 }
 WRAPPER = ("embed_norm", "hidden_norm", "proj", "final_norm")
 # The decoder-layer norms that Qwen3-Next / Qwen3.5 store as weight - 1 (mlx-lm's sanitize list).
@@ -93,11 +121,13 @@ def _prefix(template: str, num_hidden_layers: int, i: int = 0) -> str:
 
 def _target_args(target):
     args = getattr(target.model, "args", None)
-    if args is not None and not hasattr(args, "num_hidden_layers"):   # Qwen3.5: a text model inside
+    if args is not None and not hasattr(args, "num_hidden_layers"):  # Qwen3.5: a text model inside
         args = getattr(getattr(target.model, "language_model", None), "args", None)
     if args is None or not hasattr(args, "num_hidden_layers"):
-        raise MlxSpecError(f"MTP needs the model arguments of the target's mlx-lm port, which this "
-                           f"{target.model_type} model does not expose")
+        raise MlxSpecError(
+            f"MTP needs the model arguments of the target's mlx-lm port, which this "
+            f"{target.model_type} model does not expose"
+        )
     return args
 
 
@@ -113,14 +143,15 @@ def _layer_index(args, layout: Layout) -> int:
 def build_layer(target, layout: Layout) -> nn.Module:
     """A decoder layer of the target's own class, built as the module's (mlx-lm's code)."""
     args = _target_args(target)
-    held = [layer for layer in target.layers if layer is not None]   # a pipeline stage holds some
+    held = [layer for layer in target.layers if layer is not None]  # a pipeline stage holds some
     kinds = {type(layer) for layer in held}
     cls = next(iter(kinds)) if len(kinds) == 1 else None
     if layout.name == "qwen3_next":  # a full-attention layer of the hybrid
         cls = next((type(l) for l in held if not getattr(l, "is_linear", False)), cls)
     if cls is None:
-        raise MlxSpecError(f"cannot tell which decoder layer an MTP module of this {target.model_type} "
-                           "model uses")
+        raise MlxSpecError(
+            f"cannot tell which decoder layer an MTP module of this {target.model_type} model uses"
+        )
     parameters = inspect.signature(cls.__init__).parameters
     index = _layer_index(args, layout)
     if "layer_idx" in parameters:
@@ -135,7 +166,7 @@ class Model(nn.Module):
     drafter drafts with both (chains only: its layer takes no tree positions)."""
 
     supports_tree = False
-    rows = None   # vocabulary.OutputRows of a reduced draft vocabulary; None: the whole head
+    rows = None  # vocabulary.OutputRows of a reduced draft vocabulary; None: the whole head
 
     def __init__(self, target, layout: Layout, has_head: bool = False):
         super().__init__()
@@ -149,7 +180,7 @@ class Model(nn.Module):
         self.final_norm = nn.RMSNorm(hidden, eps=eps)
         if has_head:
             self.head = nn.Linear(hidden, target.vocab_size, bias=False)
-        self._target = target        # embedding, final norm and output layer are the target's
+        self._target = target  # embedding, final norm and output layer are the target's
         self.taps = [target.num_layers - 1]
         self.draft_vocab_size = target.vocab_size
 
@@ -202,30 +233,35 @@ class Model(nn.Module):
         wrapper["shared_head.head"] = "head"
         out, layer = {}, {}
         for name, w in weights.items():
-            if name.startswith(prefix) and name[len(prefix):].rsplit(".", 1)[0] in wrapper:
-                part, kind = name[len(prefix):].rsplit(".", 1)
+            if name.startswith(prefix) and name[len(prefix) :].rsplit(".", 1)[0] in wrapper:
+                part, kind = name[len(prefix) :].rsplit(".", 1)
                 if layout.zero_centred_norms and "norm" in part:
                     w = w + 1.0
                 out[f"{wrapper[part]}.{kind}"] = w
             elif name.startswith(layer_prefix) and not name.startswith(layer_prefix + "embed_tokens"):
-                layer["model.layers.0." + name[len(layer_prefix):]] = w
+                layer["model.layers.0." + name[len(layer_prefix) :]] = w
         published = dict(layer)
         sanitize = getattr(self._target.model, "sanitize", None)
         if sanitize is not None and layer:
             layer = sanitize(layer)
-        for name, w in layer.items():   # a wrapping model may have prefixed it (language_model.)
+        for name, w in layer.items():  # a wrapping model may have prefixed it (language_model.)
             if "model.layers.0." in name:
                 name = name.split("model.layers.0.", 1)[1]
                 # Whether a sanitize shifts zero-centred norms depends on what else it sees
                 # (Qwen3.5: a conv1d weight of the published shape): shift those it left alone.
-                if (layout.zero_centred_norms and w.ndim == 1 and name.endswith(ZERO_CENTRED)
-                        and mx.array_equal(w, published["model.layers.0." + name])):
+                if (
+                    layout.zero_centred_norms
+                    and w.ndim == 1
+                    and name.endswith(ZERO_CENTRED)
+                    and mx.array_equal(w, published["model.layers.0." + name])
+                ):
                     w = w + 1.0
                 out["layer." + name] = w
         return out
 
 
 # --- reading -------------------------------------------------------------------------------
+
 
 def _weight_files(path: Path) -> List[Path]:
     check_not_pickled(path)
@@ -266,13 +302,13 @@ def read_mtp_weights(path, num_hidden_layers: int) -> Dict[str, mx.array]:
     for f in files:
         try:
             tensors = mx.load(str(f))
-        except Exception as e:   # mlx raises several types for a bad file
+        except Exception as e:  # mlx raises several types for a bad file
             raise MlxSpecError(f"cannot read {f}: {one_line(e)}") from None
         weights.update({k: v for k, v in tensors.items() if is_mtp_name(k, num_hidden_layers)})
     return weights
 
 
-SIDECAR = "mtp"   # <converted model>/mtp: what `convert --hf-path` keeps of the original's MTP weights
+SIDECAR = "mtp"  # <converted model>/mtp: what `convert --hf-path` keeps of the original's MTP weights
 
 
 def has_mtp_weights(path, num_hidden_layers: int) -> bool:
@@ -283,8 +319,12 @@ def has_mtp_weights(path, num_hidden_layers: int) -> bool:
     try:
         if index.is_file():
             return any(is_mtp_name(n, num_hidden_layers) for n in json.loads(index.read_text())["weight_map"])
-        return any(is_mtp_name(n, num_hidden_layers) for f in path.glob("*.safetensors")
-                   for n in safetensors_header(f)[0] if n != "__metadata__")
+        return any(
+            is_mtp_name(n, num_hidden_layers)
+            for f in path.glob("*.safetensors")
+            for n in safetensors_header(f)[0]
+            if n != "__metadata__"
+        )
     except (OSError, ValueError, KeyError, TypeError):
         return False
 
@@ -313,9 +353,11 @@ def find_mtp(target, draft_model=None) -> Path:
     shipped = shipped_drafter("mtp", target.path)
     if shipped:
         return shipped
-    raise MlxSpecError(f"this {target.model_type} model has no MTP weights: convert its original "
-                       "checkpoint with `mlx-spec convert --hf-path` (it keeps them), or pass that "
-                       "checkpoint with --draft-model DIR")
+    raise MlxSpecError(
+        f"this {target.model_type} model has no MTP weights: convert its original "
+        "checkpoint with `mlx-spec convert --hf-path` (it keeps them), or pass that "
+        "checkpoint with --draft-model DIR"
+    )
 
 
 def load_mtp(path, target) -> Model:
@@ -324,24 +366,31 @@ def load_mtp(path, target) -> Model:
     Every mismatch is a one-line MlxSpecError."""
     path = Path(path)
     config = read_config(path, "MTP checkpoint")
-    n = int(config.get("num_hidden_layers") or (config.get("text_config") or {}).get("num_hidden_layers") or 0)
+    n = int(
+        config.get("num_hidden_layers") or (config.get("text_config") or {}).get("num_hidden_layers") or 0
+    )
     if n != target.num_layers:
-        raise MlxSpecError(f"{path}: its config has {n} layers, the target has {target.num_layers}: "
-                           "these MTP weights belong to another model")
+        raise MlxSpecError(
+            f"{path}: its config has {n} layers, the target has {target.num_layers}: "
+            "these MTP weights belong to another model"
+        )
     weights = read_mtp_weights(path, n)
     layout = detect_layout(weights, n)
     if layout is None:
-        raise MlxSpecError(f"{path} has no MTP weights (none named mtp.*, model.mtp_layers.* or "
-                           f"model.layers.{n}.eh_proj)")
+        raise MlxSpecError(
+            f"{path} has no MTP weights (none named mtp.*, model.mtp_layers.* or model.layers.{n}.eh_proj)"
+        )
     prefix = _prefix(layout.prefix, n)
     proj = weights[prefix + layout.proj + ".weight"]
     if proj.shape[0] != target.hidden_size:
-        raise MlxSpecError(f"{path}: its MTP module has hidden size {proj.shape[0]}, the target's is "
-                           f"{target.hidden_size}")
+        raise MlxSpecError(
+            f"{path}: its MTP module has hidden size {proj.shape[0]}, the target's is {target.hidden_size}"
+        )
     head = weights.get(prefix + "shared_head.head.weight")
     if head is not None and head.shape[0] != target.vocab_size:
-        raise MlxSpecError(f"{path}: its MTP head covers {head.shape[0]} tokens, the target's "
-                           f"vocabulary {target.vocab_size}")
+        raise MlxSpecError(
+            f"{path}: its MTP head covers {head.shape[0]} tokens, the target's vocabulary {target.vocab_size}"
+        )
     model = Model(target, layout, has_head=head is not None)
     try:
         model.load_weights(list(model.sanitize(weights, n).items()), strict=True)
@@ -349,9 +398,15 @@ def load_mtp(path, target) -> Model:
         raise MlxSpecError(f"cannot load MTP weights from {path}: {one_line(e)}") from None
     model.set_dtype(target.embed(mx.array([0])).dtype)
     q = target.config.get("quantization")
-    if q and target.dtype == "keep":   # a quantized target keeps its weights quantized: so does its module
-        nn.quantize(model, group_size=q["group_size"], bits=q["bits"],
-                    class_predicate=lambda _, m: hasattr(m, "to_quantized") and m.weight.shape[-1] % q["group_size"] == 0)
+    if q and target.dtype == "keep":  # a quantized target keeps its weights quantized: so does its module
+        nn.quantize(
+            model,
+            group_size=q["group_size"],
+            bits=q["bits"],
+            class_predicate=lambda _, m: (
+                hasattr(m, "to_quantized") and m.weight.shape[-1] % q["group_size"] == 0
+            ),
+        )
     mx.eval(model.parameters())
     ids = vocabulary.read(path, target.vocab_size)
     if ids is not None:

@@ -27,7 +27,14 @@ class _TapLayer:
 
     def __init__(self, layer, index, taps, want, mask, replay, recurrent):
         self._layer, self._index, self._taps, self._want, self._mask, self._replay, self._recurrent = (
-            layer, index, taps, want, mask, replay, recurrent)
+            layer,
+            index,
+            taps,
+            want,
+            mask,
+            replay,
+            recurrent,
+        )
 
     def __getattr__(self, name):  # models read attributes such as `use_sliding`
         return getattr(self._layer, name)
@@ -49,9 +56,11 @@ class _TapLayer:
         if recurrent and self._replay is not None:
             self._replay.record(self._layer, x, args, kwargs, cache)
         if recurrent and self._recurrent is not None:
-            def call(inputs, state):   # the layer over `inputs` from the cache `state`
-                swap = lambda a: state if a is cache else a   # noqa: E731
+
+            def call(inputs, state):  # the layer over `inputs` from the cache `state`
+                swap = lambda a: state if a is cache else a  # noqa: E731
                 return self._layer(inputs, *map(swap, args), **{k: swap(v) for k, v in kwargs.items()})
+
             out = self._recurrent(call, x, cache)
         else:
             out = self._layer(x, *args, **kwargs)
@@ -63,8 +72,14 @@ class _TapLayer:
 class Target:
     """Wraps an mlx-lm model: `forward(tokens, cache, taps)` -> (logits, {layer: hidden})."""
 
-    def __init__(self, model: nn.Module, tokenizer=None, config: Optional[dict] = None,
-                 path: Optional[str] = None, dtype: str = "keep"):
+    def __init__(
+        self,
+        model: nn.Module,
+        tokenizer=None,
+        config: Optional[dict] = None,
+        path: Optional[str] = None,
+        dtype: str = "keep",
+    ):
         self.model = model
         self.tokenizer = tokenizer
         self.config = config or {}
@@ -79,8 +94,9 @@ class Target:
         self.eos_token_ids = sorted(getattr(tokenizer, "eos_token_ids", None) or ())
 
     # --- the forward pass -------------------------------------------------------------
-    def forward(self, tokens: mx.array, cache, taps: Iterable[int] = (), mask=None, replay=None,
-                recurrent=None):
+    def forward(
+        self, tokens: mx.array, cache, taps: Iterable[int] = (), mask=None, replay=None, recurrent=None
+    ):
         """tokens [1, n] -> (logits [1, n, V], {layer_id: hidden [1, n, H]}).
 
         The model's own __call__ runs (embedding, mask, layers, norm, head); chosen layers are
@@ -116,8 +132,10 @@ class Target:
             part = getattr(self._inner, name, None)
             if part is not None:
                 return part
-        raise MlxSpecError(f"feature drafters need the target's {what}, which this {self.model_type} "
-                           "model does not expose where mlx-spec looks: use --draft lookup or model")
+        raise MlxSpecError(
+            f"feature drafters need the target's {what}, which this {self.model_type} "
+            "model does not expose where mlx-spec looks: use --draft lookup or model"
+        )
 
     def embed(self, tokens: mx.array) -> mx.array:
         return self.embed_tokens(tokens)
@@ -182,7 +200,7 @@ def apply_dtype(model: nn.Module, dtype: str) -> str:
     from mlx_lm.utils import dequantize_model
 
     dequantize_model(model)
-    model.set_dtype(getattr(mx, dtype))   # lazily: the caller evaluates (the shard it keeps)
+    model.set_dtype(getattr(mx, dtype))  # lazily: the caller evaluates (the shard it keeps)
     return dtype
 
 
@@ -194,26 +212,32 @@ def load_target(path, dtype: str = "auto", shard: Optional[Callable] = None) -> 
     path = Path(path)
     config = read_config(path, "model")
     if not isinstance(config.get("model_type"), str):
-        raise MlxSpecError(f"cannot load model {path}: its config.json has no 'model_type': a model's config "
-                           "names its architecture (\"model_type\": \"llama\", ...) and its sizes, as Hugging Face "
-                           "checkpoints and mlx_lm.convert write it")
+        raise MlxSpecError(
+            f"cannot load model {path}: its config.json has no 'model_type': a model's config "
+            'names its architecture ("model_type": "llama", ...) and its sizes, as Hugging Face '
+            "checkpoints and mlx_lm.convert write it"
+        )
     check_not_pickled(path)
     try:
         model, config = load_model(path, lazy=True)
     except Exception as e:  # mlx-lm raises many types for bad files; keep it to one line
         missing = re.search(r"missing \d+ required (?:positional |keyword-only )?arguments?: (.*)", str(e))
-        if isinstance(e, TypeError) and missing:   # ModelArgs(**config) without a field it needs
+        if isinstance(e, TypeError) and missing:  # ModelArgs(**config) without a field it needs
             fields = missing.group(1).replace("'", "").replace(" and ", " ").replace(",,", ",")
-            raise MlxSpecError(f"cannot load model {path}: its config.json lacks what the {config['model_type']} "
-                               f"architecture needs: {fields}") from None
+            raise MlxSpecError(
+                f"cannot load model {path}: its config.json lacks what the {config['model_type']} "
+                f"architecture needs: {fields}"
+            ) from None
         raise MlxSpecError(f"cannot load model {path}: {one_line(e)}") from None
     try:
         tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
     except Exception as e:
         if not any((path / name).is_file() for name in TOKENIZER_FILES) and not any(path.glob("*.tiktoken")):
-            raise MlxSpecError(f"cannot load model {path}: it has no tokenizer.json (nor tokenizer.model, "
-                               "vocab.json or *.tiktoken): copy the tokenizer files of the model it was "
-                               "converted from") from None
+            raise MlxSpecError(
+                f"cannot load model {path}: it has no tokenizer.json (nor tokenizer.model, "
+                "vocab.json or *.tiktoken): copy the tokenizer files of the model it was "
+                "converted from"
+            ) from None
         raise MlxSpecError(f"cannot load the tokenizer of {path}: {one_line(e).rstrip(':')}") from None
     used = apply_dtype(model, dtype)
     if shard is not None:

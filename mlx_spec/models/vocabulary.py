@@ -27,7 +27,7 @@ def frequent_ids(token_lists: Iterable[Sequence[int]], vocab_size: int, size: in
     for tokens in token_lists:
         np.add.at(counts, np.asarray(tokens, np.int64), 1)
     order = np.lexsort((np.arange(vocab_size), -counts))
-    return np.sort(order[:min(size, vocab_size)])
+    return np.sort(order[: min(size, vocab_size)])
 
 
 def d2t(ids: np.ndarray) -> mx.array:
@@ -42,8 +42,10 @@ def ids_from_d2t(offsets, vocab_size: int, where) -> np.ndarray:
     ids = np.arange(len(offsets)) + offsets.astype(np.int64)
     lo, hi, distinct = int(ids.min()), int(ids.max()), len(np.unique(ids))
     if lo < 0 or hi >= vocab_size or distinct != len(ids):
-        raise MlxSpecError(f"{where}: d2t maps the draft vocabulary to ids {lo}..{hi} "
-                           f"({distinct} distinct), not into the target's 0..{vocab_size - 1}")
+        raise MlxSpecError(
+            f"{where}: d2t maps the draft vocabulary to ids {lo}..{hi} "
+            f"({distinct} distinct), not into the target's 0..{vocab_size - 1}"
+        )
     return ids
 
 
@@ -67,7 +69,7 @@ def read(directory, vocab_size: int) -> Optional[np.ndarray]:
         return None
     try:
         offsets = mx.load(str(path))["d2t"]
-    except Exception as e:   # mlx raises several types for a bad file
+    except Exception as e:  # mlx raises several types for a bad file
         raise MlxSpecError(f"cannot read {path}: {one_line(e)}") from None
     return ids_from_d2t(offsets, vocab_size, path)
 
@@ -82,11 +84,17 @@ class OutputRows:
     def __init__(self, layers: Sequence[nn.Module], ids: np.ndarray):
         index = mx.array(np.asarray(ids, np.int32))
         self.ids = index
-        self.heads = []   # per layer: weight, scales, biases, bias, quantization
+        self.heads = []  # per layer: weight, scales, biases, bias, quantization
         for layer in layers:
-            arrays = [layer[name][index] if name in layer else None for name in ("weight", "scales", "biases", "bias")]
-            quantization = (layer.group_size, layer.bits, getattr(layer, "mode", "affine")) \
-                if arrays[1] is not None else None
+            arrays = [
+                layer[name][index] if name in layer else None
+                for name in ("weight", "scales", "biases", "bias")
+            ]
+            quantization = (
+                (layer.group_size, layer.bits, getattr(layer, "mode", "affine"))
+                if arrays[1] is not None
+                else None
+            )
             mx.eval(*(a for a in arrays if a is not None))
             self.heads.append((*arrays, quantization))
 
@@ -97,8 +105,16 @@ class OutputRows:
         weight, scales, biases, bias, quantization = self.heads[head]
         if quantization:
             group_size, bits, mode = quantization
-            y = mx.quantized_matmul(x, weight, scales=scales, biases=biases, transpose=True,
-                                    group_size=group_size, bits=bits, mode=mode)
+            y = mx.quantized_matmul(
+                x,
+                weight,
+                scales=scales,
+                biases=biases,
+                transpose=True,
+                group_size=group_size,
+                bits=bits,
+                mode=mode,
+            )
         else:
             y = x @ weight.T
         return y if bias is None else y + bias

@@ -54,7 +54,7 @@ KEEP_ALIVE_SECONDS = 1.0
 RETRY_AFTER_SECONDS = 1
 
 
-END = object()   # a job's last message: nothing more comes
+END = object()  # a job's last message: nothing more comes
 
 
 class Job:
@@ -71,10 +71,23 @@ class Worker(threading.Thread):
     """Owns the engine: loads it (MLX's streams belong to the thread that made them, as in
     mlx_lm.server), then generates for one job at a time, in the order they came."""
 
-    def __init__(self, load, max_sessions: int, max_cache_bytes: int, log, max_batch: int = 1,
-                 prompt_cache_dir: Optional[str] = None, prompt_cache_disk_bytes: int = DEFAULT_DISK_BYTES):
+    def __init__(
+        self,
+        load,
+        max_sessions: int,
+        max_cache_bytes: int,
+        log,
+        max_batch: int = 1,
+        prompt_cache_dir: Optional[str] = None,
+        prompt_cache_disk_bytes: int = DEFAULT_DISK_BYTES,
+    ):
         super().__init__(name="mlx-spec-worker", daemon=True)
-        self.load, self.max_sessions, self.max_cache_bytes, self.log = load, max_sessions, max_cache_bytes, log
+        self.load, self.max_sessions, self.max_cache_bytes, self.log = (
+            load,
+            max_sessions,
+            max_cache_bytes,
+            log,
+        )
         self.prompt_cache_dir, self.prompt_cache_disk_bytes = prompt_cache_dir, prompt_cache_disk_bytes
         self.max_batch = max_batch
         self.batch: Optional[BatchEngine] = None
@@ -82,7 +95,7 @@ class Worker(threading.Thread):
         self.stopping = threading.Event()
         self.loaded = threading.Event()
         self.load_error: Optional[MlxSpecError] = None
-        self.fatal: Optional[RanksLost] = None   # the server cannot go on
+        self.fatal: Optional[RanksLost] = None  # the server cannot go on
 
     def start_engine(self):
         """Start the thread and wait for the engine (an api.Loaded); its loading error, if any,
@@ -96,7 +109,7 @@ class Worker(threading.Thread):
     def run(self):
         try:
             self._run()
-        finally:   # by this thread, else the process may abort as it exits (MLX 0.32, mlx#4327)
+        finally:  # by this thread, else the process may abort as it exits (MLX 0.32, mlx#4327)
             mx.clear_streams()
 
     def _run(self):
@@ -130,8 +143,8 @@ class Worker(threading.Thread):
                 self._serve_one_at_a_time()
         finally:
             self.sessions.flush(self.batch.engines if self.batch is not None else [self.engine])
-            self.engine.close()   # here: MLX's streams belong to this thread
-        while True:   # stopped: whoever still waits is told so
+            self.engine.close()  # here: MLX's streams belong to this thread
+        while True:  # stopped: whoever still waits is told so
             try:
                 job = self.jobs.get_nowait()
             except queue.Empty:
@@ -150,8 +163,11 @@ class Worker(threading.Thread):
         if identity is None:
             self.log("prompt cache on disk: off (the model has no directory to name it by)")
             return None
-        directory = Path(self.prompt_cache_dir).expanduser() if self.prompt_cache_dir else \
-            default_directory(target, identity)
+        directory = (
+            Path(self.prompt_cache_dir).expanduser()
+            if self.prompt_cache_dir
+            else default_directory(target, identity)
+        )
         try:
             disk = DiskCache(directory, target, identity, self.prompt_cache_disk_bytes, self.log)
         except OSError as e:
@@ -171,7 +187,7 @@ class Worker(threading.Thread):
                 return None
             if not job.cancelled.is_set():
                 return job
-            self.log("client gone: generation stopped before it started")   # it left while queued
+            self.log("client gone: generation stopped before it started")  # it left while queued
             job.events.put(END)
         return None
 
@@ -186,7 +202,7 @@ class Worker(threading.Thread):
     def _serve_batched(self) -> None:
         """Up to max_batch requests at once, one target pass per step for all of them; a new
         request joins between two steps, a finished or cancelled one leaves."""
-        batch, active = self.batch, {}   # id(row) -> (row, job, Responses)
+        batch, active = self.batch, {}  # id(row) -> (row, job, Responses)
         while not self.stopping.is_set():
             while batch.idle:
                 job = self._next_job(block=not active)
@@ -195,7 +211,7 @@ class Worker(threading.Thread):
                 self._start(job, active)
             try:
                 events = batch.step()
-            except Exception as e:   # the pass itself failed: every request in it fails, the server serves on
+            except Exception as e:  # the pass itself failed: every request in it fails, the server serves on
                 error = _request_error(e, self.log)
                 for row, job, _ in active.values():
                     batch.remove(row)
@@ -224,7 +240,7 @@ class Worker(threading.Thread):
                     self.log("client gone: generation stopped")
                     job.events.put(END)
                     del active[id(row)]
-        for row, job, _ in active.values():   # stopped
+        for row, job, _ in active.values():  # stopped
             batch.remove(row)
             self.log("stopped")
             job.events.put(END)
@@ -248,21 +264,23 @@ class Worker(threading.Thread):
         try:
             self.sessions.prepare(job.tokens)
             params, seed = sampling_and_seed(self.engine, request.seed, request.sampling)
-            for event in self.engine.generate(job.tokens, job.max_tokens, request.stop, params, seed, job.options):
+            for event in self.engine.generate(
+                job.tokens, job.max_tokens, request.stop, params, seed, job.options
+            ):
                 for response in responses.add(event):
                     job.events.put(response)
                 if isinstance(event, Prefilling):
                     job.events.put(event)
                 if job.cancelled.is_set() or self.stopping.is_set():
                     self.log("client gone: generation stopped" if job.cancelled.is_set() else "stopped")
-                    return   # closes the generator at this event: the cache stays consistent
+                    return  # closes the generator at this event: the cache stays consistent
             job.events.put(responses.last())
-        except Exception as e:   # never a traceback to the client; the server keeps serving
+        except Exception as e:  # never a traceback to the client; the server keeps serving
             job.events.put(_request_error(e, self.log))
-            if isinstance(e, RanksLost):   # ... but over a split target that lost a rank
+            if isinstance(e, RanksLost):  # ... but over a split target that lost a rank
                 self.fatal = e
                 self.log(f"error: {e}")
-                os.kill(os.getpid(), signal.SIGTERM)   # serve stops as on SIGTERM, then says why
+                os.kill(os.getpid(), signal.SIGTERM)  # serve stops as on SIGTERM, then says why
 
     def stop(self) -> None:
         self.stopping.set()
@@ -273,11 +291,25 @@ class Server(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
 
-    def __init__(self, address, load, model_name: str, max_tokens: int = 512,
-                 api_key: Optional[str] = None, max_body_bytes: int = 1 << 20, max_sessions: int = 10,
-                 max_cache_bytes: int = 1 << 30, max_batch: int = 1, backlog: int = socket.SOMAXCONN,
-                 max_queued: int = 256, allowed_origins: Sequence[str] = (), chat_template_args: Optional[dict] = None,
-                 prompt_cache_dir: Optional[str] = None, prompt_cache_disk_bytes: int = DEFAULT_DISK_BYTES, log=None):
+    def __init__(
+        self,
+        address,
+        load,
+        model_name: str,
+        max_tokens: int = 512,
+        api_key: Optional[str] = None,
+        max_body_bytes: int = 1 << 20,
+        max_sessions: int = 10,
+        max_cache_bytes: int = 1 << 30,
+        max_batch: int = 1,
+        backlog: int = socket.SOMAXCONN,
+        max_queued: int = 256,
+        allowed_origins: Sequence[str] = (),
+        chat_template_args: Optional[dict] = None,
+        prompt_cache_dir: Optional[str] = None,
+        prompt_cache_disk_bytes: int = DEFAULT_DISK_BYTES,
+        log=None,
+    ):
         """load: () -> api.Loaded (the engine and the source it runs), called on the worker
         thread (errors raised here, before serving).
         backlog: connections the kernel holds before they are accepted (socketserver's default
@@ -285,24 +317,31 @@ class Server(ThreadingHTTPServer):
         past which a request gets a 503 with Retry-After instead of waiting; prompt_cache_dir:
         where conversations go on disk ("": the model's default directory; None: nowhere),
         prompt_cache_disk_bytes: the most they take there."""
-        self.request_queue_size = backlog   # read by server_activate's listen()
+        self.request_queue_size = backlog  # read by server_activate's listen()
         self.max_queued = max_queued
         super().__init__(address, Handler)
         # One model is served whatever name a request gives (as llama.cpp's server does: apps
         # with a fixed model name work); replies name the served one.
         self.model_name = model_name
         self.max_tokens, self.api_key, self.max_body_bytes = max_tokens, api_key, max_body_bytes
-        self.allowed_origins = set(allowed_origins)   # CORS: browser pages of these origins ("*": any)
+        self.allowed_origins = set(allowed_origins)  # CORS: browser pages of these origins ("*": any)
         self.chat_template_args = dict(chat_template_args or {})
         self.log = log or (lambda line: print(line, file=sys.stderr, flush=True))
-        self.worker = Worker(load, max_sessions, max_cache_bytes, self.log, max_batch, prompt_cache_dir,
-                             prompt_cache_disk_bytes)
+        self.worker = Worker(
+            load,
+            max_sessions,
+            max_cache_bytes,
+            self.log,
+            max_batch,
+            prompt_cache_dir,
+            prompt_cache_disk_bytes,
+        )
         try:
             loaded = self.worker.start_engine()
         except BaseException:
             self.server_close()
             raise
-        self.loaded, self.engine = loaded, loaded.engine   # loaded.draft: the source served (what auto chose)
+        self.loaded, self.engine = loaded, loaded.engine  # loaded.draft: the source served (what auto chose)
         self.tokenizer, self.sessions = self.worker.tokenizer, self.worker.sessions
         self.machine, self.token_text = text_machine(self.tokenizer), token_texts(self.tokenizer)
 
@@ -318,26 +357,43 @@ class Server(ThreadingHTTPServer):
         tokenizer = self.tokenizer
         if request.chat:
             if not getattr(tokenizer, "chat_template", None):
-                raise RequestError(400, "the served model has no chat template: use /v1/completions",
-                                   "messages")
+                raise RequestError(
+                    400, "the served model has no chat template: use /v1/completions", "messages"
+                )
             if request.tools and not tokenizer.has_tool_calling:
-                raise RequestError(400, "the served model's chat template has no tool calling: drop 'tools' "
-                                        "(or use a model whose template renders them)", "tools")
+                raise RequestError(
+                    400,
+                    "the served model's chat template has no tool calling: drop 'tools' "
+                    "(or use a model whose template renders them)",
+                    "tools",
+                )
             template = dict(self.chat_template_args, **request.chat_template_kwargs)
             try:
                 if request.tool_choice != "required":
-                    return list(tokenizer.apply_chat_template(request.messages, add_generation_prompt=True,
-                                                              tools=request.tools, **template))
-                text = tokenizer.apply_chat_template(request.messages, add_generation_prompt=True,
-                                                     tools=request.tools, tokenize=False, **template)
+                    return list(
+                        tokenizer.apply_chat_template(
+                            request.messages, add_generation_prompt=True, tools=request.tools, **template
+                        )
+                    )
+                text = tokenizer.apply_chat_template(
+                    request.messages,
+                    add_generation_prompt=True,
+                    tools=request.tools,
+                    tokenize=False,
+                    **template,
+                )
                 return list(tokenizer.encode(text + tokenizer.tool_call_start, add_special_tokens=False))
-            except Exception as e:   # a template that rejects the conversation (roles, order)
-                raise RequestError(400, f"the chat template rejects these messages: {one_line(e)}",
-                                   "messages") from None
+            except Exception as e:  # a template that rejects the conversation (roles, order)
+                raise RequestError(
+                    400, f"the chat template rejects these messages: {one_line(e)}", "messages"
+                ) from None
         if isinstance(request.prompt, list):
             if max(request.prompt) >= self.engine.target.vocab_size:
-                raise RequestError(400, f"'prompt' has a token id past the vocabulary "
-                                        f"({self.engine.target.vocab_size})", "prompt")
+                raise RequestError(
+                    400,
+                    f"'prompt' has a token id past the vocabulary ({self.engine.target.vocab_size})",
+                    "prompt",
+                )
             return request.prompt
         return list(tokenizer.encode(request.prompt))
 
@@ -348,13 +404,19 @@ class Server(ThreadingHTTPServer):
 
         bias = request.penalties.get("logit_bias", {})
         if any(not 0 <= t < self.engine.target.vocab_size for t in bias):
-            raise RequestError(400, f"'logit_bias' has a token id past the vocabulary "
-                                    f"({self.engine.target.vocab_size})", "logit_bias")
+            raise RequestError(
+                400,
+                f"'logit_bias' has a token id past the vocabulary ({self.engine.target.vocab_size})",
+                "logit_bias",
+            )
         prediction = request.prediction
         return GenerationOptions(
             logits_processors=tuple(make_logits_processors(**request.penalties)) if request.penalties else (),
             logprobs=request.logprobs,
-            prediction=tuple(self.tokenizer.encode(prediction, add_special_tokens=False)) if prediction else ())
+            prediction=tuple(self.tokenizer.encode(prediction, add_special_tokens=False))
+            if prediction
+            else (),
+        )
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -362,7 +424,7 @@ class Handler(BaseHTTPRequestHandler):
     server_version = f"mlx-spec/{__version__}"
     server: Server
 
-    def log_message(self, format, *args):   # one line per request is written by _log instead
+    def log_message(self, format, *args):  # one line per request is written by _log instead
         pass
 
     def _log(self, status: int, extra: str = "") -> None:
@@ -412,13 +474,20 @@ class Handler(BaseHTTPRequestHandler):
         origin, allowed = self.headers.get("Origin"), self.server.allowed_origins
         self.close_connection = True
         if not origin or not ("*" in allowed or origin in allowed):
-            self._send_error(RequestError(403, f"origin {origin!r} is not allowed here (serve --allowed-origins)",
-                                          code="origin_not_allowed"))
+            self._send_error(
+                RequestError(
+                    403,
+                    f"origin {origin!r} is not allowed here (serve --allowed-origins)",
+                    code="origin_not_allowed",
+                )
+            )
             return
         self.send_response(204)
         self.send_header("Access-Control-Allow-Methods", "GET, POST, OPTIONS")
-        self.send_header("Access-Control-Allow-Headers", self.headers.get(
-            "Access-Control-Request-Headers", "Authorization, Content-Type"))
+        self.send_header(
+            "Access-Control-Allow-Headers",
+            self.headers.get("Access-Control-Request-Headers", "Authorization, Content-Type"),
+        )
         self.send_header("Access-Control-Max-Age", "600")
         self.send_header("Content-Length", "0")
         self.end_headers()
@@ -428,9 +497,14 @@ class Handler(BaseHTTPRequestHandler):
         self._route({"/health": self._health, "/v1/models": self._models})
 
     def do_POST(self):
-        self._route({"/v1/chat/completions": lambda: self._complete(chat=True),
-                     "/v1/completions": lambda: self._complete(chat=False),
-                     "/v1/messages": self._messages, "/v1/messages/count_tokens": self._count_tokens})
+        self._route(
+            {
+                "/v1/chat/completions": lambda: self._complete(chat=True),
+                "/v1/completions": lambda: self._complete(chat=False),
+                "/v1/messages": self._messages,
+                "/v1/messages/count_tokens": self._count_tokens,
+            }
+        )
 
     @property
     def _anthropic(self) -> bool:
@@ -459,20 +533,40 @@ class Handler(BaseHTTPRequestHandler):
         bearer = self.headers.get("Authorization", "")
         given = bearer[7:] if bearer.startswith("Bearer ") else self.headers.get("x-api-key", "")
         if not (given and hmac.compare_digest(given.encode(), key.encode())):
-            raise RequestError(401, "a valid API key is required: 'Authorization: Bearer KEY' or 'x-api-key: KEY'",
-                               code="invalid_api_key")
+            raise RequestError(
+                401,
+                "a valid API key is required: 'Authorization: Bearer KEY' or 'x-api-key: KEY'",
+                code="invalid_api_key",
+            )
 
     def _health(self) -> None:
         sessions = self.server.sessions
-        self._send_json(200, {"status": "ok", "model": self.server.model_name, "draft": self.server.loaded.draft,
-                              "queued": self.server.worker.jobs.qsize(),
-                              "prompt_cache": {"sessions": len(sessions.stored), "bytes": sessions.nbytes,
-                                               "max_bytes": sessions.max_bytes,
-                                               "disk": sessions.disk.stats if sessions.disk else None}})
+        self._send_json(
+            200,
+            {
+                "status": "ok",
+                "model": self.server.model_name,
+                "draft": self.server.loaded.draft,
+                "queued": self.server.worker.jobs.qsize(),
+                "prompt_cache": {
+                    "sessions": len(sessions.stored),
+                    "bytes": sessions.nbytes,
+                    "max_bytes": sessions.max_bytes,
+                    "disk": sessions.disk.stats if sessions.disk else None,
+                },
+            },
+        )
 
     def _models(self) -> None:
-        self._send_json(200, {"object": "list", "data": [
-            {"id": self.server.model_name, "object": "model", "created": 0, "owned_by": "mlx-spec"}]})
+        self._send_json(
+            200,
+            {
+                "object": "list",
+                "data": [
+                    {"id": self.server.model_name, "object": "model", "created": 0, "owned_by": "mlx-spec"}
+                ],
+            },
+        )
         self._log(200)
 
     def _read_body(self):
@@ -480,8 +574,9 @@ class Handler(BaseHTTPRequestHandler):
         if length is None or not length.isdigit():
             raise RequestError(411 if length is None else 400, "the request needs a Content-Length")
         if int(length) > self.server.max_body_bytes:
-            raise RequestError(413, f"the request body is over {self.server.max_body_bytes} bytes",
-                               code="request_too_large")
+            raise RequestError(
+                413, f"the request body is over {self.server.max_body_bytes} bytes", code="request_too_large"
+            )
         raw = self.rfile.read(int(length))
         try:
             return json.loads(raw)
@@ -494,7 +589,7 @@ class Handler(BaseHTTPRequestHandler):
         try:
             (self._stream if request.stream else self._whole)(job, Reply(request, self.server.model_name))
         finally:
-            job.cancelled.set()   # whatever ended the reply, the worker stops at its next token
+            job.cancelled.set()  # whatever ended the reply, the worker stops at its next token
 
     def _messages(self) -> None:
         request = anthropic.parse(self._read_body())
@@ -517,16 +612,29 @@ class Handler(BaseHTTPRequestHandler):
         limit = server.engine.target.context_length
         room = None if limit is None else limit - len(tokens)
         if room is not None and room < 1:
-            raise RequestError(400, f"the prompt ({len(tokens)} tokens) fills the model's context of {limit} "
-                                    "tokens", "messages" if chat else "prompt", "context_length_exceeded")
+            raise RequestError(
+                400,
+                f"the prompt ({len(tokens)} tokens) fills the model's context of {limit} tokens",
+                "messages" if chat else "prompt",
+                "context_length_exceeded",
+            )
         if request.max_tokens is not None and room is not None and request.max_tokens > room:
-            raise RequestError(400, f"the prompt ({len(tokens)} tokens) + max_tokens ({request.max_tokens}) "
-                                    f"exceed the model's context of {limit} tokens", "max_tokens",
-                               "context_length_exceeded")
+            raise RequestError(
+                400,
+                f"the prompt ({len(tokens)} tokens) + max_tokens ({request.max_tokens}) "
+                f"exceed the model's context of {limit} tokens",
+                "max_tokens",
+                "context_length_exceeded",
+            )
         max_tokens = request.max_tokens or min(server.max_tokens, room or server.max_tokens)
         if server.worker.jobs.qsize() >= server.max_queued:
-            raise RequestError(503, f"the server is busy: {server.max_queued} requests are waiting; retry later",
-                               code="server_busy", kind="server_error", retry_after=RETRY_AFTER_SECONDS)
+            raise RequestError(
+                503,
+                f"the server is busy: {server.max_queued} requests are waiting; retry later",
+                code="server_busy",
+                kind="server_error",
+                retry_after=RETRY_AFTER_SECONDS,
+            )
         job = Job(request, tokens, max_tokens, server.options_for(request))
         server.worker.jobs.put(job)
         return job
@@ -535,25 +643,40 @@ class Handler(BaseHTTPRequestHandler):
         """Where a chat reply's text goes (content, reasoning, tool calls); None: a completion's
         text is the reply as written."""
         request, tokenizer = job.request, self.server.tokenizer
-        if not request.chat or not (tokenizer.has_thinking or tokenizer.response_initial_state or request.tools):
-            return None   # nothing to split: the text goes as it is, at no cost per token
-        return ReplySplitter(tokenizer, self.server.machine, initial_state(tokenizer, job.tokens, request.tool_choice),
-                             request.tools, request.stream)
+        if not request.chat or not (
+            tokenizer.has_thinking or tokenizer.response_initial_state or request.tools
+        ):
+            return None  # nothing to split: the text goes as it is, at no cost per token
+        return ReplySplitter(
+            tokenizer,
+            self.server.machine,
+            initial_state(tokenizer, job.tokens, request.tool_choice),
+            request.tools,
+            request.stream,
+        )
 
     def _logprobs(self, job: Job, response) -> Optional[List[dict]]:
         if job.request.logprobs is None or response.token is None:
             return None
-        return [token_logprobs(self.server.token_text, response.token, response.logprob, response.top_logprobs)]
+        return [
+            token_logprobs(self.server.token_text, response.token, response.logprob, response.top_logprobs)
+        ]
 
     def _usage(self, job: Job, stats, tokens: List[int]) -> dict:
         """usage, with OpenAI's accepted_prediction_tokens (the prediction's tokens found, in
         order, in the reply) and rejected_prediction_tokens (the rest of the prediction)."""
         prediction = None
         if job.options.prediction:
-            matched = sum(block.size for block in difflib.SequenceMatcher(
-                None, job.options.prediction, tokens, autojunk=False).get_matching_blocks())
-            prediction = {"accepted_prediction_tokens": matched,
-                          "rejected_prediction_tokens": len(job.options.prediction) - matched}
+            matched = sum(
+                block.size
+                for block in difflib.SequenceMatcher(
+                    None, job.options.prediction, tokens, autojunk=False
+                ).get_matching_blocks()
+            )
+            prediction = {
+                "accepted_prediction_tokens": matched,
+                "rejected_prediction_tokens": len(job.options.prediction) - matched,
+            }
         return usage(stats, self.server.loaded.draft, self._sampled(job), prediction)
 
     def _events(self, job: Job, keep_alive=None):
@@ -595,12 +718,19 @@ class Handler(BaseHTTPRequestHandler):
             if event.token is not None:
                 tokens.append(event.token)
                 logprobs += self._logprobs(job, event) or []
-        if last is None or last.finish_reason is None:   # the client left
+        if last is None or last.finish_reason is None:  # the client left
             self.close_connection = True
             return
         finish = _finish_reason(last.finish_reason, whole.tool_calls)
-        self._send_json(200, reply.whole(whole, finish, self._usage(job, last.stats, tokens),
-                                         logprobs if job.request.logprobs is not None else None))
+        self._send_json(
+            200,
+            reply.whole(
+                whole,
+                finish,
+                self._usage(job, last.stats, tokens),
+                logprobs if job.request.logprobs is not None else None,
+            ),
+        )
         self._log(200, _summary(last.stats))
 
     def _stream(self, job: Job, reply: Reply) -> None:
@@ -618,12 +748,14 @@ class Handler(BaseHTTPRequestHandler):
         try:
             for event in self._events(job, keep_alive=self._keep_alive):
                 if isinstance(event, RequestError):
-                    self._sse(event.body())   # in a stream, the error is its last event
+                    self._sse(event.body())  # in a stream, the error is its last event
                     self._log(event.status, event.message)
                     break
                 if event.token is not None:
                     tokens.append(event.token)
-                delta = splitter.add(event.text, event.finish_reason) if splitter else Delta(content=event.text)
+                delta = (
+                    splitter.add(event.text, event.finish_reason) if splitter else Delta(content=event.text)
+                )
                 called = called or bool(delta.tool_calls)
                 finish = _finish_reason(event.finish_reason, called) if event.finish_reason else None
                 for chunk in reply.chunks(delta, finish, self._logprobs(job, event), offset):
@@ -647,7 +779,7 @@ class Handler(BaseHTTPRequestHandler):
             delta = splitter.add(event.text, event.finish_reason) if splitter else Delta(content=event.text)
             whole.content, whole.reasoning = whole.content + delta.content, whole.reasoning + delta.reasoning
             whole.tool_calls += delta.tool_calls
-        if last is None or last.finish_reason is None:   # the client left
+        if last is None or last.finish_reason is None:  # the client left
             self.close_connection = True
             return
         self._send_json(200, reply.whole(whole, last.stats))
@@ -666,10 +798,14 @@ class Handler(BaseHTTPRequestHandler):
         try:
             for event in self._events(job, keep_alive=self._keep_alive):
                 if isinstance(event, RequestError):
-                    self._event("error", anthropic.error_body(event))   # in a stream, the error is its last event
+                    self._event(
+                        "error", anthropic.error_body(event)
+                    )  # in a stream, the error is its last event
                     self._log(event.status, event.message)
                     break
-                delta = splitter.add(event.text, event.finish_reason) if splitter else Delta(content=event.text)
+                delta = (
+                    splitter.add(event.text, event.finish_reason) if splitter else Delta(content=event.text)
+                )
                 called = called or bool(delta.tool_calls)
                 for name, data in reply.events(delta):
                     self._event(name, data)
@@ -710,5 +846,7 @@ def _request_error(e: Exception, log) -> RequestError:
 
 
 def _summary(stats) -> str:
-    return (f"prompt {stats.prompt_tokens} ({stats.prompt_cached} cached), {count(stats.generated_tokens, 'token')}, "
-            f"{stats.tokens_per_step:.2f} tokens/step, {stats.tokens_per_second:.1f} tok/s")
+    return (
+        f"prompt {stats.prompt_tokens} ({stats.prompt_cached} cached), {count(stats.generated_tokens, 'token')}, "
+        f"{stats.tokens_per_step:.2f} tokens/step, {stats.tokens_per_second:.1f} tok/s"
+    )

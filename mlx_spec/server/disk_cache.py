@@ -48,8 +48,12 @@ def model_identity(target) -> Optional[str]:
         stat = real.stat()
         weights.append([file.name, real.name, stat.st_size, stat.st_mtime_ns])
     parameters = tree_flatten(target.model.parameters())
-    record = {"config": (path / "config.json").read_text(), "weights": weights, "dtype": str(target.dtype),
-              "parameter_dtype": str(parameters[0][1].dtype) if parameters else ""}
+    record = {
+        "config": (path / "config.json").read_text(),
+        "weights": weights,
+        "dtype": str(target.dtype),
+        "parameter_dtype": str(parameters[0][1].dtype) if parameters else "",
+    }
     return hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()[:24]
 
 
@@ -61,12 +65,18 @@ def default_directory(target, identity: str) -> Path:
 
 
 class DiskCache:
-    def __init__(self, directory: Path, target, identity: str, max_bytes: int = DEFAULT_MAX_BYTES,
-                 log: Callable[[str], None] = print):
+    def __init__(
+        self,
+        directory: Path,
+        target,
+        identity: str,
+        max_bytes: int = DEFAULT_MAX_BYTES,
+        log: Callable[[str], None] = print,
+    ):
         self.directory, self.target, self.identity = Path(directory), target, identity
         self.max_bytes, self.log = max_bytes, log
         self.directory.mkdir(parents=True, exist_ok=True)
-        self.warned = set()   # entries already warned about
+        self.warned = set()  # entries already warned about
 
     # --- what is there ----------------------------------------------------------------------
 
@@ -77,8 +87,11 @@ class DiskCache:
             try:
                 record = json.loads(path.read_text())
                 if record.get("format") != FORMAT or record.get("model") != self.identity:
-                    self._warn(path.stem, f"prompt cache entry {path} not used: written by another "
-                               f"{'model' if record.get('format') == FORMAT else 'version of mlx-spec'}")
+                    self._warn(
+                        path.stem,
+                        f"prompt cache entry {path} not used: written by another "
+                        f"{'model' if record.get('format') == FORMAT else 'version of mlx-spec'}",
+                    )
                     continue
                 record["id"] = path.stem
                 out.append(record)
@@ -102,8 +115,9 @@ class DiskCache:
         """The entry as a session; None (and one warning line) where it cannot be used."""
         entry = record["id"]
         try:
-            cache = read_prompt_cache(self.directory / f"{entry}.safetensors", self.target.model,
-                                      self.target.model_type)
+            cache = read_prompt_cache(
+                self.directory / f"{entry}.safetensors", self.target.model, self.target.model_type
+            )
             tokens = [int(t) for t in record["tokens"]]
             held = [c.offset for c in cache if hasattr(c, "offset")]
             if any(n != len(tokens) for n in held):
@@ -117,7 +131,7 @@ class DiskCache:
         except (MlxSpecError, OSError, ValueError, KeyError, RuntimeError) as e:
             self._warn(entry, f"prompt cache entry {entry} not used: {one_line(e)}")
             return None
-        os.utime(self.directory / f"{entry}.json")   # recently used
+        os.utime(self.directory / f"{entry}.json")  # recently used
         return Session(tokens, cache, taps)
 
     # --- writing ----------------------------------------------------------------------------
@@ -125,8 +139,10 @@ class DiskCache:
     @staticmethod
     def writable(session: Session) -> bool:
         """mlx-lm's format holds plain caches (not a window, a quantized or a ragged one)."""
-        return bool(session.tokens) and all(type(c).__name__ in PROMPT_CACHE_LAYERS
-                                            and type(c).__name__ != "QuantizedKVCache" for c in session.cache)
+        return bool(session.tokens) and all(
+            type(c).__name__ in PROMPT_CACHE_LAYERS and type(c).__name__ != "QuantizedKVCache"
+            for c in session.cache
+        )
 
     def save(self, session: Session) -> None:
         """Write a conversation (and drop the entries it continues), then keep the directory in
@@ -135,7 +151,7 @@ class DiskCache:
             return
         tokens = list(session.tokens)
         entry = hashlib.sha256(json.dumps([self.identity, tokens]).encode()).hexdigest()[:32]
-        if (self.directory / f"{entry}.json").exists():   # already there
+        if (self.directory / f"{entry}.json").exists():  # already there
             os.utime(self.directory / f"{entry}.json")
             return
         try:
@@ -144,20 +160,31 @@ class DiskCache:
             self.log(f"warning: cannot write to the prompt cache directory {self.directory}: {one_line(e)}")
 
     def _write(self, entry: str, session: Session, tokens: List[int]) -> None:
-        taps = {str(layer): mx.concatenate(pieces, axis=1) for layer, pieces in session.taps.items() if pieces}
+        taps = {
+            str(layer): mx.concatenate(pieces, axis=1) for layer, pieces in session.taps.items() if pieces
+        }
         with self._locked():
             cache_file = self.directory / f"{entry}.safetensors"
-            self._replace(cache_file, lambda path: save_prompt_cache(str(path), session.cache,
-                                                                     {"mlx_spec_format": str(FORMAT)}))
+            self._replace(
+                cache_file,
+                lambda path: save_prompt_cache(str(path), session.cache, {"mlx_spec_format": str(FORMAT)}),
+            )
             if taps:
-                self._replace(self.directory / f"{entry}.taps.safetensors",
-                              lambda path: mx.save_safetensors(str(path), taps))
+                self._replace(
+                    self.directory / f"{entry}.taps.safetensors",
+                    lambda path: mx.save_safetensors(str(path), taps),
+                )
             files = [cache_file] + ([self.directory / f"{entry}.taps.safetensors"] if taps else [])
-            record = {"format": FORMAT, "model": self.identity, "tokens": tokens,
-                      "taps": sorted(int(layer) for layer in taps), "bytes": sum(f.stat().st_size for f in files)}
+            record = {
+                "format": FORMAT,
+                "model": self.identity,
+                "tokens": tokens,
+                "taps": sorted(int(layer) for layer in taps),
+                "bytes": sum(f.stat().st_size for f in files),
+            }
             self._replace(self.directory / f"{entry}.json", lambda path: path.write_text(json.dumps(record)))
-            for other in self.records():   # what this one continues is worth nothing more
-                if other["id"] != entry and tokens[:len(other["tokens"])] == other["tokens"]:
+            for other in self.records():  # what this one continues is worth nothing more
+                if other["id"] != entry and tokens[: len(other["tokens"])] == other["tokens"]:
                     self.remove(other["id"])
             self._evict()
 
@@ -175,7 +202,9 @@ class DiskCache:
         entries = []
         for path in self.directory.glob("*.json"):
             try:
-                entries.append((path.stat().st_mtime_ns, path.stem, json.loads(path.read_text()).get("bytes", 0)))
+                entries.append(
+                    (path.stat().st_mtime_ns, path.stem, json.loads(path.read_text()).get("bytes", 0))
+                )
             except (OSError, ValueError, AttributeError):
                 continue
         total = sum(size for _, _, size in entries)
@@ -186,7 +215,7 @@ class DiskCache:
             total -= size
 
     def remove(self, entry: str) -> None:
-        (self.directory / f"{entry}.json").unlink(missing_ok=True)   # first: the entry is gone
+        (self.directory / f"{entry}.json").unlink(missing_ok=True)  # first: the entry is gone
         for suffix in (".safetensors", ".taps.safetensors"):
             (self.directory / f"{entry}{suffix}").unlink(missing_ok=True)
 
@@ -207,4 +236,8 @@ class DiskCache:
     @property
     def stats(self) -> Dict[str, int]:
         records = self.records()
-        return {"entries": len(records), "bytes": sum(r.get("bytes", 0) for r in records), "max_bytes": self.max_bytes}
+        return {
+            "entries": len(records),
+            "bytes": sum(r.get("bytes", 0) for r in records),
+            "max_bytes": self.max_bytes,
+        }

@@ -38,6 +38,7 @@ def initial_state(tokenizer, prompt: List[int], tool_choice: str) -> str:
 @dataclass
 class Delta:
     """What a piece of the reply adds, by where it goes."""
+
     content: str = ""
     reasoning: str = ""
     tool_calls: List[dict] = field(default_factory=list)
@@ -53,17 +54,17 @@ class ReplySplitter:
 
     def add(self, text: str, finish_reason: Optional[str] = None) -> Delta:
         self.state, segments = TextStateMachine.split(self.state, text) if text else (self.state, [])
-        if finish_reason == "stop":   # a marker cut short by the end of text is not text
+        if finish_reason == "stop":  # a marker cut short by the end of text is not text
             self.state, state = TextStateMachine.discard(self.state)
             segments.append((state, ""))
-        elif finish_reason is not None:   # cut by max_tokens: what was held back is text
+        elif finish_reason is not None:  # cut by max_tokens: what was held back is text
             self.state, flushed, state = TextStateMachine.flush(self.state)
             segments.append((state, flushed))
         delta, calls = Delta(), []
         for state, piece in segments:
             if state == "tool":
                 self.tool_text += piece
-            elif self.current == "tool" and self.tool_text:   # a tool call ended
+            elif self.current == "tool" and self.tool_text:  # a tool call ended
                 calls.append(self.tool_text)
                 self.tool_text = ""
             if state == "reasoning":
@@ -72,12 +73,12 @@ class ReplySplitter:
                 delta.content += piece
             self.current = state
         if finish_reason is not None and self.current == "tool" and self.tool_text:
-            calls.append(self.tool_text)   # cut by max_tokens or the end: parsed if it can be
+            calls.append(self.tool_text)  # cut by max_tokens or the end: parsed if it can be
             self.tool_text = ""
         if calls and self.formatter is not None:
             delta.tool_calls = self.formatter(calls)
             self.made_tool_call = self.made_tool_call or bool(delta.tool_calls)
-        elif calls:   # tool markers without tools offered: the text as the model wrote it
+        elif calls:  # tool markers without tools offered: the text as the model wrote it
             delta.content += "".join(calls)
         return delta
 
@@ -89,6 +90,7 @@ def token_texts(tokenizer) -> Callable[[int], str]:
 
 def token_logprobs(token_text: Callable[[int], str], token: int, logprob: float, top) -> dict:
     """One token's logprobs entry (OpenAI's fields, and mlx_lm.server's `id`)."""
+
     def entry(token_id, value):
         text = token_text(token_id)
         return {"token": text, "logprob": value, "bytes": list(text.encode("utf-8"))}
@@ -103,22 +105,35 @@ def completion_logprobs(entries: List[dict], offset: int = 0) -> dict:
     for e in entries:
         offsets.append(position)
         position += len(e["token"])
-    return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
-            "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
-            "text_offset": offsets}
+    return {
+        "tokens": [e["token"] for e in entries],
+        "token_logprobs": [e["logprob"] for e in entries],
+        "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
+        "text_offset": offsets,
+    }
 
 
 def usage(stats, method: str, sampled: bool, prediction: Optional[dict] = None) -> dict:
     """OpenAI's usage, with the prompt tokens the cache held, the prediction's tokens where one
     drafted, and what speculation did (and the seed that repeats a sampled reply)."""
-    out = {"prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.generated_tokens,
-           "total_tokens": stats.prompt_tokens + stats.generated_tokens,
-           "prompt_tokens_details": {"cached_tokens": stats.prompt_cached}}
+    out = {
+        "prompt_tokens": stats.prompt_tokens,
+        "completion_tokens": stats.generated_tokens,
+        "total_tokens": stats.prompt_tokens + stats.generated_tokens,
+        "prompt_tokens_details": {"cached_tokens": stats.prompt_cached},
+    }
     if prediction is not None:
         out["completion_tokens_details"] = prediction
-    out["speculative"] = {"method": method, "steps": stats.steps, "tokens_per_step": round(stats.tokens_per_step, 4),
-                          "acceptance_rate": round(stats.acceptance_rate, 4), "verified_drafts": stats.verified_drafts,
-                          "accepted_drafts": stats.accepted_drafts, "plain_steps": stats.plain_steps, "seed": stats.seed if sampled else None}
+    out["speculative"] = {
+        "method": method,
+        "steps": stats.steps,
+        "tokens_per_step": round(stats.tokens_per_step, 4),
+        "acceptance_rate": round(stats.acceptance_rate, 4),
+        "verified_drafts": stats.verified_drafts,
+        "accepted_drafts": stats.accepted_drafts,
+        "plain_steps": stats.plain_steps,
+        "seed": stats.seed if sampled else None,
+    }
     return out
 
 
@@ -132,15 +147,23 @@ class Reply:
         self.object = "chat.completion" if self.chat else "text_completion"
 
     def _wrap(self, obj: str, choices: list, **extra) -> dict:
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
-                "choices": choices, **extra}
+        return {
+            "id": self.id,
+            "object": obj,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            **extra,
+        }
 
     def _logprobs(self, entries: Optional[List[dict]], offset: int = 0):
         if entries is None:
             return None
         return {"content": entries} if self.chat else completion_logprobs(entries, offset)
 
-    def whole(self, delta: Delta, finish_reason: str, usage_: dict, logprobs: Optional[List[dict]] = None) -> dict:
+    def whole(
+        self, delta: Delta, finish_reason: str, usage_: dict, logprobs: Optional[List[dict]] = None
+    ) -> dict:
         if self.chat:
             message = {"role": "assistant", "content": delta.content or (None if delta.tool_calls else "")}
             if delta.reasoning:
@@ -153,15 +176,31 @@ class Reply:
         choice.update(finish_reason=finish_reason, logprobs=self._logprobs(logprobs))
         return self._wrap(self.object, [choice], usage=usage_)
 
-    def chunks(self, delta: Delta, finish_reason: Optional[str] = None, logprobs: Optional[List[dict]] = None,
-               offset: int = 0) -> List[dict]:
+    def chunks(
+        self,
+        delta: Delta,
+        finish_reason: Optional[str] = None,
+        logprobs: Optional[List[dict]] = None,
+        offset: int = 0,
+    ) -> List[dict]:
         """The stream chunks of a delta: its reasoning and content in one, then each tool call as
         OpenAI streams them (its id and name, then its arguments)."""
         if not self.chat:
             if not (delta.content or finish_reason or logprobs):
                 return []
-            return [self._wrap("text_completion", [{"index": 0, "text": delta.content, "finish_reason": finish_reason,
-                                                    "logprobs": self._logprobs(logprobs, offset)}])]
+            return [
+                self._wrap(
+                    "text_completion",
+                    [
+                        {
+                            "index": 0,
+                            "text": delta.content,
+                            "finish_reason": finish_reason,
+                            "logprobs": self._logprobs(logprobs, offset),
+                        }
+                    ],
+                )
+            ]
         chunks = []
         if delta.content or delta.reasoning or logprobs or (finish_reason and not delta.tool_calls):
             message = {}
@@ -171,8 +210,12 @@ class Reply:
                 message["content"] = delta.content
             chunks.append(self._chunk(message, None if delta.tool_calls else finish_reason, logprobs))
         for i, call in enumerate(delta.tool_calls):
-            head = {"index": call["index"], "id": call["id"], "type": "function",
-                    "function": {"name": call["function"]["name"], "arguments": ""}}
+            head = {
+                "index": call["index"],
+                "id": call["id"],
+                "type": "function",
+                "function": {"name": call["function"]["name"], "arguments": ""},
+            }
             chunks.append(self._chunk({"tool_calls": [head]}))
             last = i == len(delta.tool_calls) - 1
             arguments = {"index": call["index"], "function": {"arguments": call["function"]["arguments"]}}
@@ -180,8 +223,17 @@ class Reply:
         return chunks
 
     def _chunk(self, delta: dict, finish_reason: Optional[str] = None, logprobs=None) -> dict:
-        return self._wrap("chat.completion.chunk", [{"index": 0, "delta": delta, "finish_reason": finish_reason,
-                                                     "logprobs": self._logprobs(logprobs)}])
+        return self._wrap(
+            "chat.completion.chunk",
+            [
+                {
+                    "index": 0,
+                    "delta": delta,
+                    "finish_reason": finish_reason,
+                    "logprobs": self._logprobs(logprobs),
+                }
+            ],
+        )
 
     def first_chunk(self) -> dict:
         return self._chunk({"role": "assistant", "content": ""})

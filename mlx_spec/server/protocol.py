@@ -14,11 +14,18 @@ from typing import Any, Dict, List, Optional
 class RequestError(Exception):
     """An OpenAI-style error: HTTP status, message, the offending parameter, a code."""
 
-    def __init__(self, status: int, message: str, param: Optional[str] = None, code: Optional[str] = None,
-                 kind: str = "invalid_request_error", retry_after: Optional[int] = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: Optional[str] = None,
+        code: Optional[str] = None,
+        kind: str = "invalid_request_error",
+        retry_after: Optional[int] = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
-        self.retry_after = retry_after   # seconds, sent as Retry-After (a 503 when busy)
+        self.retry_after = retry_after  # seconds, sent as Retry-After (a 503 when busy)
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
@@ -26,48 +33,79 @@ class RequestError(Exception):
 
 # Fields that change nothing for this server, accepted whatever their value, and why.
 IGNORED = {
-    "user": "no accounts here", "safety_identifier": "no accounts here",
-    "store": "nothing is stored", "metadata": "nothing is stored",
-    "service_tier": "one tier", "prompt_cache_key": "the prompt cache finds shared prefixes by itself",
+    "user": "no accounts here",
+    "safety_identifier": "no accounts here",
+    "store": "nothing is stored",
+    "metadata": "nothing is stored",
+    "service_tier": "one tier",
+    "prompt_cache_key": "the prompt cache finds shared prefixes by itself",
     "parallel_tool_calls": "every call the model makes is returned",
     "reasoning_effort": "a thinking model's template takes chat_template_kwargs (enable_thinking)",
     "xtc_threshold": "XTC sampling is off (xtc_probability other than 0 is refused)",
 }
 # Fields accepted where their value changes nothing (what clients send by default).
-NEUTRAL = {"n": (1, None), "echo": (False, None), "suffix": (None,), "best_of": (1, None),
-           "functions": (None, []), "function_call": (None, "none"), "response_format": (None, {"type": "text"}),
-           "modalities": (None, ["text"]), "audio": (None,), "web_search_options": (None,),
-           "xtc_probability": (0, 0.0, None)}
-COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stream",
-          "stream_options", "logprobs", "top_logprobs", "logit_bias", "repetition_penalty",
-          "repetition_context_size", "presence_penalty", "presence_context_size", "frequency_penalty",
-          "frequency_context_size", "prediction"}
+NEUTRAL = {
+    "n": (1, None),
+    "echo": (False, None),
+    "suffix": (None,),
+    "best_of": (1, None),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "response_format": (None, {"type": "text"}),
+    "modalities": (None, ["text"]),
+    "audio": (None,),
+    "web_search_options": (None,),
+    "xtc_probability": (0, 0.0, None),
+}
+COMMON = {
+    "model",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "stop",
+    "stream",
+    "stream_options",
+    "logprobs",
+    "top_logprobs",
+    "logit_bias",
+    "repetition_penalty",
+    "repetition_context_size",
+    "presence_penalty",
+    "presence_context_size",
+    "frequency_penalty",
+    "frequency_context_size",
+    "prediction",
+}
 CHAT = COMMON | {"messages", "max_completion_tokens", "tools", "tool_choice", "chat_template_kwargs"}
 COMPLETION = COMMON | {"prompt"}
 ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_TOP_LOGPROBS = 20
-QUOTED = 60   # characters of a refused value quoted in its error (an agent sends dozens of tools)
+QUOTED = 60  # characters of a refused value quoted in its error (an agent sends dozens of tools)
 
 
 @dataclass
 class Request:
     """A checked request: what the engine needs, in its words."""
+
     chat: bool
     stream: bool
     model: Optional[str]
     include_usage: bool
-    messages: Optional[List[dict]] = None             # chat: as the chat template takes them
-    prompt: Any = None                                # completion: text or token ids
-    max_tokens: Optional[int] = None                  # None: the server's default
-    sampling: Dict[str, float] = field(default_factory=dict)   # temp, top_p, top_k, min_p given
+    messages: Optional[List[dict]] = None  # chat: as the chat template takes them
+    prompt: Any = None  # completion: text or token ids
+    max_tokens: Optional[int] = None  # None: the server's default
+    sampling: Dict[str, float] = field(default_factory=dict)  # temp, top_p, top_k, min_p given
     seed: Optional[int] = None
     stop: List[str] = field(default_factory=list)
-    tools: Optional[List[dict]] = None                # the functions the template renders
-    tool_choice: str = "auto"                         # auto, none, required (a call is due)
+    tools: Optional[List[dict]] = None  # the functions the template renders
+    tool_choice: str = "auto"  # auto, none, required (a call is due)
     chat_template_kwargs: Dict[str, Any] = field(default_factory=dict)
-    logprobs: Optional[int] = None                    # None: none; else this many alternatives
-    penalties: Dict[str, Any] = field(default_factory=dict)   # mlx-lm's make_logits_processors'
-    prediction: Optional[str] = None                  # Predicted Outputs: the reply expected
+    logprobs: Optional[int] = None  # None: none; else this many alternatives
+    penalties: Dict[str, Any] = field(default_factory=dict)  # mlx-lm's make_logits_processors'
+    prediction: Optional[str] = None  # Predicted Outputs: the reply expected
 
 
 def quoted(value) -> str:
@@ -95,7 +133,11 @@ def _text_content(content, where: str) -> str:
     if isinstance(content, list):
         texts = []
         for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            if (
+                not isinstance(part, dict)
+                or part.get("type") != "text"
+                or not isinstance(part.get("text"), str)
+            ):
                 kind = part.get("type") if isinstance(part, dict) else type(part).__name__
                 raise RequestError(400, f"{where}: only text content is supported, got {kind!r}", "messages")
             texts.append(part["text"])
@@ -117,10 +159,16 @@ def _tool_calls(value, where: str) -> List[dict]:
             try:
                 arguments = json.loads(arguments) if arguments.strip() else {}
             except json.JSONDecodeError:
-                raise RequestError(400, f"{where}: a tool call's arguments are not JSON: {quoted(arguments)}",
-                                   "messages") from None
-        calls.append({"id": call.get("id"), "type": "function",
-                      "function": {"name": function["name"], "arguments": arguments}})
+                raise RequestError(
+                    400, f"{where}: a tool call's arguments are not JSON: {quoted(arguments)}", "messages"
+                ) from None
+        calls.append(
+            {
+                "id": call.get("id"),
+                "type": "function",
+                "function": {"name": function["name"], "arguments": arguments},
+            }
+        )
     return calls
 
 
@@ -134,14 +182,19 @@ def _messages(value) -> List[dict]:
             raise RequestError(400, f"{where} must be an object", "messages")
         role = m.get("role")
         if role not in ROLES:
-            raise RequestError(400, f"{where}: role {role!r} is not supported (one of {', '.join(ROLES)})",
-                               "messages")
-        allowed = {"role", "content", "name"} | ({"tool_calls", "refusal", "reasoning", "reasoning_content"}
-                                                 if role == "assistant" else set()) | (
-            {"tool_call_id"} if role == "tool" else set())
+            raise RequestError(
+                400, f"{where}: role {role!r} is not supported (one of {', '.join(ROLES)})", "messages"
+            )
+        allowed = (
+            {"role", "content", "name"}
+            | ({"tool_calls", "refusal", "reasoning", "reasoning_content"} if role == "assistant" else set())
+            | ({"tool_call_id"} if role == "tool" else set())
+        )
         extra = sorted(set(m) - allowed)
         if extra:
-            raise RequestError(400, f"{where}: '{extra[0]}' is not supported for a {role} message", "messages")
+            raise RequestError(
+                400, f"{where}: '{extra[0]}' is not supported for a {role} message", "messages"
+            )
         message = {"role": "system" if role == "developer" else role}
         if role == "assistant" and m.get("tool_calls"):
             message["tool_calls"] = _tool_calls(m["tool_calls"], where)
@@ -163,10 +216,18 @@ def _tools(body) -> Optional[List[dict]]:
     if tools is None or tools == []:
         return None
     if not isinstance(tools, list) or not all(
-            isinstance(t, dict) and t.get("type") == "function" and isinstance(t.get("function"), dict)
-            and isinstance(t["function"].get("name"), str) for t in tools):
-        raise RequestError(400, f"'tools' must be a list of {{\"type\": \"function\", \"function\": {{\"name\", "
-                                f"...}}}}, got {quoted(tools)}", "tools")
+        isinstance(t, dict)
+        and t.get("type") == "function"
+        and isinstance(t.get("function"), dict)
+        and isinstance(t["function"].get("name"), str)
+        for t in tools
+    ):
+        raise RequestError(
+            400,
+            f'\'tools\' must be a list of {{"type": "function", "function": {{"name", '
+            f"...}}}}, got {quoted(tools)}",
+            "tools",
+        )
     return tools
 
 
@@ -184,8 +245,12 @@ def _tool_choice(body, tools):
         return tools, "required"
     name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
     if not isinstance(name, str):
-        raise RequestError(400, f"'tool_choice' must be auto, none, required or {{\"type\": \"function\", "
-                                f"\"function\": {{\"name\"}}}}, got {quoted(choice)}", "tool_choice")
+        raise RequestError(
+            400,
+            f'\'tool_choice\' must be auto, none, required or {{"type": "function", '
+            f'"function": {{"name"}}}}, got {quoted(choice)}',
+            "tool_choice",
+        )
     named = [t for t in tools or [] if t["function"]["name"] == name]
     if not named:
         raise RequestError(400, f"'tool_choice' names {name!r}, which is not among 'tools'", "tool_choice")
@@ -228,8 +293,9 @@ def _penalties(body) -> Dict[str, Any]:
         try:
             given["logit_bias"] = {int(k): float(v) for k, v in bias.items()}
         except (AttributeError, TypeError, ValueError):
-            raise RequestError(400, f"'logit_bias' must map token ids to numbers, got {quoted(bias)}",
-                               "logit_bias") from None
+            raise RequestError(
+                400, f"'logit_bias' must map token ids to numbers, got {quoted(bias)}", "logit_bias"
+            ) from None
         if any(not -100 <= v <= 100 for v in given["logit_bias"].values()):
             raise RequestError(400, "'logit_bias' values must be between -100 and 100", "logit_bias")
     return given
@@ -240,8 +306,11 @@ def _prediction(body) -> Optional[str]:
     if prediction is None:
         return None
     if not isinstance(prediction, dict) or prediction.get("type") != "content" or "content" not in prediction:
-        raise RequestError(400, f"'prediction' must be {{\"type\": \"content\", \"content\": ...}}, got "
-                                f"{quoted(prediction)}", "prediction")
+        raise RequestError(
+            400,
+            f'\'prediction\' must be {{"type": "content", "content": ...}}, got {quoted(prediction)}',
+            "prediction",
+        )
     return _text_content(prediction["content"], "prediction") or None
 
 
@@ -250,11 +319,15 @@ def _prompt(value):
         return value
     if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str):
         return value[0]
-    if (isinstance(value, list) and value
-            and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value)):
+    if (
+        isinstance(value, list)
+        and value
+        and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value)
+    ):
         return list(value)
-    raise RequestError(400, "'prompt' must be a string or a list of token ids (one prompt per request)",
-                       "prompt")
+    raise RequestError(
+        400, "'prompt' must be a string or a list of token ids (one prompt per request)", "prompt"
+    )
 
 
 def parse(body, chat: bool) -> Request:
@@ -278,14 +351,23 @@ def parse(body, chat: bool) -> Request:
     if not isinstance(stream, bool):
         raise RequestError(400, "'stream' must be true or false", "stream")
     options = body.get("stream_options")
-    if options is not None and (not isinstance(options, dict) or set(options) - {"include_usage"}
-                                or not isinstance(options.get("include_usage", False), bool)):
-        raise RequestError(400, "'stream_options' takes only 'include_usage' (true or false)", "stream_options")
+    if options is not None and (
+        not isinstance(options, dict)
+        or set(options) - {"include_usage"}
+        or not isinstance(options.get("include_usage", False), bool)
+    ):
+        raise RequestError(
+            400, "'stream_options' takes only 'include_usage' (true or false)", "stream_options"
+        )
     max_tokens = _number(body, "max_tokens", 1, integer=True)
     if chat and body.get("max_completion_tokens") is not None:
         max_tokens = _number(body, "max_completion_tokens", 1, integer=True)
-    sampling = {"temp": _number(body, "temperature", 0), "top_p": _number(body, "top_p", 0, 1, low_open=True),
-                "top_k": _number(body, "top_k", 0, integer=True), "min_p": _number(body, "min_p", 0, 1)}
+    sampling = {
+        "temp": _number(body, "temperature", 0),
+        "top_p": _number(body, "top_p", 0, 1, low_open=True),
+        "top_k": _number(body, "top_k", 0, integer=True),
+        "min_p": _number(body, "min_p", 0, 1),
+    }
     stop = body.get("stop")
     stop = [stop] if isinstance(stop, str) else stop
     if stop is not None and (not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop)):
@@ -297,10 +379,21 @@ def parse(body, chat: bool) -> Request:
     if not isinstance(kwargs, dict):
         raise RequestError(400, "'chat_template_kwargs' must be an object", "chat_template_kwargs")
     tools, tool_choice = _tool_choice(body, _tools(body)) if chat else (None, "auto")
-    return Request(chat=chat, stream=stream, model=model, include_usage=bool((options or {}).get("include_usage")),
-                   messages=_messages(body["messages"]) if chat else None,
-                   prompt=None if chat else _prompt(body["prompt"]), max_tokens=max_tokens,
-                   sampling={k: v for k, v in sampling.items() if v is not None},
-                   seed=_number(body, "seed", 0, 2**63 - 1, integer=True), stop=stop or [], tools=tools,
-                   tool_choice=tool_choice, chat_template_kwargs=kwargs, logprobs=_logprobs(body, chat),
-                   penalties=_penalties(body), prediction=_prediction(body))
+    return Request(
+        chat=chat,
+        stream=stream,
+        model=model,
+        include_usage=bool((options or {}).get("include_usage")),
+        messages=_messages(body["messages"]) if chat else None,
+        prompt=None if chat else _prompt(body["prompt"]),
+        max_tokens=max_tokens,
+        sampling={k: v for k, v in sampling.items() if v is not None},
+        seed=_number(body, "seed", 0, 2**63 - 1, integer=True),
+        stop=stop or [],
+        tools=tools,
+        tool_choice=tool_choice,
+        chat_template_kwargs=kwargs,
+        logprobs=_logprobs(body, chat),
+        penalties=_penalties(body),
+        prediction=_prediction(body),
+    )

@@ -24,10 +24,15 @@ DISK_MIN_TOKENS = 16
 
 
 class SessionCache:
-    def __init__(self, engine: Engine, max_sessions: int = 10, max_bytes: int = 1 << 30,
-                 disk: Optional[DiskCache] = None):
+    def __init__(
+        self,
+        engine: Engine,
+        max_sessions: int = 10,
+        max_bytes: int = 1 << 30,
+        disk: Optional[DiskCache] = None,
+    ):
         self.engine, self.max_sessions, self.max_bytes, self.disk = engine, max_sessions, max_bytes, disk
-        self.stored: List[Session] = []   # least recently used first
+        self.stored: List[Session] = []  # least recently used first
 
     @property
     def nbytes(self) -> int:
@@ -36,7 +41,9 @@ class SessionCache:
     def prepare(self, prompt: List[int], engine: Optional[Engine] = None) -> None:
         """Make the engine's conversation (default: the first engine's; a batch has one engine
         per row, all sharing this store) the one that shares most with `prompt`."""
-        if not self.max_sessions and self.disk is None:   # no store: the engine's own conversation is the cache
+        if (
+            not self.max_sessions and self.disk is None
+        ):  # no store: the engine's own conversation is the cache
             return
         engine = engine or self.engine
         live = common_prefix_length(engine.cached_tokens, prompt)
@@ -45,12 +52,12 @@ class SessionCache:
         if self.disk is not None and self._from_disk(prompt, engine, max([live] + shared)):
             return
         if best is None or shared[best] <= live:
-            if live < len(engine.cached_tokens):   # the prompt branches off: keep the rest too
+            if live < len(engine.cached_tokens):  # the prompt branches off: keep the rest too
                 self._store(engine.copy_session())
             return
         branches = shared[best] < len(self.stored[best].tokens)
         session = self.stored[best].copy() if branches else self.stored.pop(best)
-        if branches:   # the copy is the most recently used now
+        if branches:  # the copy is the most recently used now
             self.stored.append(self.stored.pop(best))
         self._store(engine.detach())
         engine.attach(session)
@@ -83,9 +90,9 @@ class SessionCache:
             return
         tokens = session.tokens
         # A session that another one extends is worth nothing more than it.
-        if any(s.tokens[:len(tokens)] == tokens for s in self.stored):
+        if any(s.tokens[: len(tokens)] == tokens for s in self.stored):
             return
-        self.stored = [s for s in self.stored if tokens[:len(s.tokens)] != s.tokens]
+        self.stored = [s for s in self.stored if tokens[: len(s.tokens)] != s.tokens]
         self.stored.append(session)
         while self.stored and (len(self.stored) > self.max_sessions or self.nbytes > self.max_bytes):
             evicted = self.stored.pop(0)

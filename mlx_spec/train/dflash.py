@@ -50,13 +50,14 @@ class DFlashOptions(LoopOptions):
     lr: float = 6e-4
     layers: int = 2
     block_size: int = 16
-    target_layers: Optional[List[int]] = None    # taps (output of layer i); None: z-lab's spread
+    target_layers: Optional[List[int]] = None  # taps (output of layer i); None: z-lab's spread
     blocks_per_sequence: int = 32
-    decay: float = 7.0                           # loss weight of block position i: exp(-(i-1)/decay)
-    mask_token_id: Optional[int] = None          # None: see default_mask_token_id
+    decay: float = 7.0  # loss weight of block position i: exp(-(i-1)/decay)
+    mask_token_id: Optional[int] = None  # None: see default_mask_token_id
 
 
 # --- pieces (unit-tested) ----------------------------------------------------------------------
+
 
 def position_weights(block_size: int, decay: float) -> np.ndarray:
     """Loss weight per block position: 0 for the anchor (given, not predicted), then
@@ -66,8 +67,9 @@ def position_weights(block_size: int, decay: float) -> np.ndarray:
     return w
 
 
-def block_mask(anchors: Sequence[int], block_size: int, context_length: int,
-               window: Optional[int] = None) -> np.ndarray:
+def block_mask(
+    anchors: Sequence[int], block_size: int, context_length: int, window: Optional[int] = None
+) -> np.ndarray:
     """Boolean [N*B, context_length + N*B] (True = may attend) for blocks at `anchors`: the
     queries of block j see context positions < anchors[j] and every position of block j.
     window: a sliding-window layer's limit on the context (query position - key position <
@@ -93,8 +95,9 @@ def sample_anchors(rng: np.random.Generator, prompt_length: int, length: int, co
     return np.sort(rng.choice(candidates, count, replace=False))
 
 
-def block_sparse_forward(model: DFlashModel, context: mx.array, blocks: mx.array, anchors: mx.array,
-                         masks: Sequence[mx.array]) -> mx.array:
+def block_sparse_forward(
+    model: DFlashModel, context: mx.array, blocks: mx.array, anchors: mx.array, masks: Sequence[mx.array]
+) -> mx.array:
     """All blocks of each sequence in one pass, composing the model's own modules.
 
     context [b, L, len(ids)*H]: target features of positions 0..L-1; blocks [b, N*B, H]: the
@@ -124,14 +127,14 @@ def block_sparse_forward(model: DFlashModel, context: mx.array, blocks: mx.array
         block_k, block_v = attn.keys_values(x, rope_blocks, 0)
         keys = mx.concatenate([context_k, block_k], axis=2)
         values = mx.concatenate([context_v, block_v], axis=2)
-        out = mx.fast.scaled_dot_product_attention(rope_blocks(q), keys, values, scale=attn.scale,
-                                                   mask=mask)
+        out = mx.fast.scaled_dot_product_attention(rope_blocks(q), keys, values, scale=attn.scale, mask=mask)
         h = h + attn.o_proj(out.transpose(0, 2, 1, 3).reshape(b, NB, -1))
         h = h + layer.mlp(layer.post_attention_layernorm(h))
     return model.norm(h)
 
 
 # --- the model ------------------------------------------------------------------------------------
+
 
 def default_mask_token_id(target) -> int:
     """A token that never occurs in chat data: the tokenizer's unknown token (SmolLM2:
@@ -140,8 +143,13 @@ def default_mask_token_id(target) -> int:
     return int(unk) if unk is not None and 0 <= unk < target.vocab_size else target.vocab_size - 1
 
 
-def new_dflash_model(target, layers: int, block_size: int, target_layer_ids: Optional[Sequence[int]] = None,
-                     mask_token_id: Optional[int] = None) -> DFlashModel:
+def new_dflash_model(
+    target,
+    layers: int,
+    block_size: int,
+    target_layer_ids: Optional[Sequence[int]] = None,
+    mask_token_id: Optional[int] = None,
+) -> DFlashModel:
     """A freshly initialized drafter shaped like the target's layers (MLX's initializers: seed
     with mx.random.seed first)."""
     n = target.num_layers
@@ -150,17 +158,28 @@ def new_dflash_model(target, layers: int, block_size: int, target_layer_ids: Opt
     ids = list(target_layer_ids) if target_layer_ids else spread_layer_ids(n, layers)
     bad = [i for i in ids if not -1 <= i < n]
     if bad:
-        raise MlxSpecError(f"--target-layers {bad[0]} is outside this target's layers -1..{n - 1} "
-                           "(i = output of layer i, -1 = the embedding)")
+        raise MlxSpecError(
+            f"--target-layers {bad[0]} is outside this target's layers -1..{n - 1} "
+            "(i = output of layer i, -1 = the embedding)"
+        )
     mask_token_id = default_mask_token_id(target) if mask_token_id is None else mask_token_id
     if not 0 <= mask_token_id < target.vocab_size:
-        raise MlxSpecError(f"mask token id {mask_token_id} is outside the target's vocabulary "
-                           f"({target.vocab_size} tokens)")
+        raise MlxSpecError(
+            f"mask token id {mask_token_id} is outside the target's vocabulary ({target.vocab_size} tokens)"
+        )
     if float(mx.abs(target.embed(mx.array([mask_token_id]))).max()) == 0:
-        raise MlxSpecError(f"the target's embedding of mask token {mask_token_id} is all zeros: "
-                           "choose another with --mask-token-id")
-    args = ModelArgs(hidden_size=target.hidden_size, num_hidden_layers=layers, mask_token_id=int(mask_token_id),
-                     block_size=block_size, target_layer_ids=ids, **layer_config(target))
+        raise MlxSpecError(
+            f"the target's embedding of mask token {mask_token_id} is all zeros: "
+            "choose another with --mask-token-id"
+        )
+    args = ModelArgs(
+        hidden_size=target.hidden_size,
+        num_hidden_layers=layers,
+        mask_token_id=int(mask_token_id),
+        block_size=block_size,
+        target_layer_ids=ids,
+        **layer_config(target),
+    )
     model = DFlashModel(args)
     mx.eval(model.parameters())
     return model
@@ -168,12 +187,13 @@ def new_dflash_model(target, layers: int, block_size: int, target_layer_ids: Opt
 
 # --- loss and batches -----------------------------------------------------------------------------
 
+
 def make_dflash_loss(target):
     def loss_fn(model, context, blocks, anchors, masks, labels, weights):
         """labels, weights [b, N, B-1]: the tokens after each anchor and their loss weights."""
         b, N, P = labels.shape
         hidden = block_sparse_forward(model, context, blocks, anchors, masks)
-        hidden = hidden.reshape(b, N, P + 1, -1)[:, :, 1:]     # the anchor predicts nothing
+        hidden = hidden.reshape(b, N, P + 1, -1)[:, :, 1:]  # the anchor predicts nothing
         logits = target.lm_head(hidden).astype(mx.float32)
         ce = nn.losses.cross_entropy(logits, labels, reduction="none")
         loss = (ce * weights).sum() / mx.maximum(weights.sum(), 1e-6)
@@ -184,17 +204,25 @@ def make_dflash_loss(target):
         # drafts of a block accepted under greedy verification: the correct prefix
         accepted = mx.cumprod(correct.astype(mx.float32), axis=-1).sum() / blocks_used
         return loss, {"accuracy": accuracy, "accepted": accepted}
+
     return loss_fn
 
 
-def make_dflash_batch(target, model: DFlashModel, store: FeatureStore, sequences, rng, blocks_per_sequence: int,
-                      weights_by_position: np.ndarray):
+def make_dflash_batch(
+    target,
+    model: DFlashModel,
+    store: FeatureStore,
+    sequences,
+    rng,
+    blocks_per_sequence: int,
+    weights_by_position: np.ndarray,
+):
     """(context, blocks, anchors, masks, labels, weights) for the sequences (see the module doc),
     padded to the same number of blocks (padding blocks have weight 0) and context length."""
     B, mask_id = model.args.block_size, model.args.mask_token_id
     anchors = [sample_anchors(rng, s.prompt_length, len(s.tokens), blocks_per_sequence) for s in sequences]
     N = max(1, max(len(a) for a in anchors))
-    L = max(1, max(int(a.max()) if len(a) else 0 for a in anchors))     # context keys < anchor
+    L = max(1, max(int(a.max()) if len(a) else 0 for a in anchors))  # context keys < anchor
     b = len(sequences)
     anchor_rows = np.zeros((b, N), np.int64)
     tokens = np.full((b, N, B), mask_id, np.int64)
@@ -203,13 +231,13 @@ def make_dflash_batch(target, model: DFlashModel, store: FeatureStore, sequences
     context = []
     for i, (seq, a) in enumerate(zip(sequences, anchors)):
         T, x = len(seq.tokens), np.array(seq.tokens)
-        f = store.get(seq)[:min(L, T)]
+        f = store.get(seq)[: min(L, T)]
         context.append(mx.pad(f, [(0, L - f.shape[0]), (0, 0)]) if f.shape[0] < L else f)
         k = len(a)
         anchor_rows[i, :k] = a
-        anchor_rows[i, k:] = a[-1] if k else 0         # padding blocks: weight 0
+        anchor_rows[i, k:] = a[-1] if k else 0  # padding blocks: weight 0
         tokens[i, :k, 0] = x[a]
-        where = a[:, None] + np.arange(1, B)[None]     # [k, B-1] positions of the labels
+        where = a[:, None] + np.arange(1, B)[None]  # [k, B-1] positions of the labels
         labels[i, :k] = x[np.minimum(where, T - 1)]
         weights[i, :k] = weights_by_position[1:][None] * (where <= T - 1)
     by_window = {}
@@ -224,23 +252,36 @@ def make_dflash_batch(target, model: DFlashModel, store: FeatureStore, sequences
 
 # --- the published checkpoint -------------------------------------------------------------------
 
+
 def save_dflash(model: DFlashModel, target, path, dtype: str = "float32") -> Path:
     """z-lab's layout: a Qwen3-style config.json with architectures ["DFlashDraftModel"],
     block_size and dflash_config {mask_token_id, target_layer_ids}; model.safetensors with fc,
     hidden_norm, layers.N.*, norm (no embedding, no head: the target's)."""
     args, path = model.args, Path(path)
     config = {
-        "architectures": [ARCHITECTURE], "model_type": "qwen3", "hidden_act": "silu",
-        "hidden_size": args.hidden_size, "intermediate_size": args.intermediate_size,
-        "num_hidden_layers": args.num_hidden_layers, "num_attention_heads": args.num_attention_heads,
-        "num_key_value_heads": args.num_key_value_heads, "head_dim": args.head_dim,
-        "rms_norm_eps": args.rms_norm_eps, "rope_theta": args.rope_theta,
-        "max_position_embeddings": args.max_position_embeddings, "attention_bias": False,
-        "tie_word_embeddings": False, "vocab_size": target.vocab_size,
-        "num_target_layers": target.num_layers, "block_size": args.block_size,
-        "dflash_config": {"mask_token_id": args.mask_token_id,
-                          "target_layer_ids": list(args.target_layer_ids)},
-        "torch_dtype": dtype}
+        "architectures": [ARCHITECTURE],
+        "model_type": "qwen3",
+        "hidden_act": "silu",
+        "hidden_size": args.hidden_size,
+        "intermediate_size": args.intermediate_size,
+        "num_hidden_layers": args.num_hidden_layers,
+        "num_attention_heads": args.num_attention_heads,
+        "num_key_value_heads": args.num_key_value_heads,
+        "head_dim": args.head_dim,
+        "rms_norm_eps": args.rms_norm_eps,
+        "rope_theta": args.rope_theta,
+        "max_position_embeddings": args.max_position_embeddings,
+        "attention_bias": False,
+        "tie_word_embeddings": False,
+        "vocab_size": target.vocab_size,
+        "num_target_layers": target.num_layers,
+        "block_size": args.block_size,
+        "dflash_config": {
+            "mask_token_id": args.mask_token_id,
+            "target_layer_ids": list(args.target_layer_ids),
+        },
+        "torch_dtype": dtype,
+    }
     if args.rope_scaling:
         config["rope_scaling"] = args.rope_scaling
     path.mkdir(parents=True, exist_ok=True)
@@ -252,9 +293,17 @@ def save_dflash(model: DFlashModel, target, path, dtype: str = "float32") -> Pat
 
 # --- the run -------------------------------------------------------------------------------------
 
-def train_dflash(target, data_dir, out_dir, options: Optional[DFlashOptions] = None, resume: bool = False,
-                 feature_dir="default", progress: Optional[Callable[[dict], None]] = None,
-                 feature_progress: Optional[Callable[[int], None]] = None) -> TrainResult:
+
+def train_dflash(
+    target,
+    data_dir,
+    out_dir,
+    options: Optional[DFlashOptions] = None,
+    resume: bool = False,
+    feature_dir="default",
+    progress: Optional[Callable[[dict], None]] = None,
+    feature_progress: Optional[Callable[[int], None]] = None,
+) -> TrainResult:
     """Train a DFlash drafter for `target` on `mlx-spec train data` output; write it to out_dir
     (z-lab's layout) with training checkpoints in out_dir/checkpoint. feature_dir, progress and
     feature_progress as in train_eagle."""
@@ -263,35 +312,58 @@ def train_dflash(target, data_dir, out_dir, options: Optional[DFlashOptions] = N
         raise MlxSpecError("--steps, --batch-size and --blocks must be >= 1, --decay > 0")
     out_dir = Path(out_dir)
     sequences = load_sequences(data_dir, o.max_length)
-    evaluate = DevEvaluation(target, o.eval_data or data_dir, lambda m: DFlashDrafter(target, m), o.eval_prompts) \
-        if o.eval_every else None
+    evaluate = (
+        DevEvaluation(target, o.eval_data or data_dir, lambda m: DFlashDrafter(target, m), o.eval_prompts)
+        if o.eval_every
+        else None
+    )
     out_dir.mkdir(parents=True, exist_ok=True)
     mx.random.seed(o.seed)
     start = resume_step(out_dir, resume)
-    if o.init and not start:   # continue a published drafter (its own shape, taps, mask token)
+    if o.init and not start:  # continue a published drafter (its own shape, taps, mask token)
         from ..models.dflash import load_dflash
 
         model = load_dflash(o.init, target)
         model.set_dtype(mx.float32)
     else:
         model = new_dflash_model(target, o.layers, o.block_size, o.target_layers, o.mask_token_id)
-    store = FeatureStore(target, model.args.target_layer_ids,
-                         out_dir / "features" if feature_dir == "default" else feature_dir)
-    store.prepare([sequences[i] for i in used_indices(len(sequences), o.batch_size, start, o.steps, o.seed)],
-                  feature_progress)
+    store = FeatureStore(
+        target, model.args.target_layer_ids, out_dir / "features" if feature_dir == "default" else feature_dir
+    )
+    store.prepare(
+        [sequences[i] for i in used_indices(len(sequences), o.batch_size, start, o.steps, o.seed)],
+        feature_progress,
+    )
     weights_by_position = position_weights(o.block_size, o.decay)
 
     def make_batch(step):
         batch = [sequences[i] for i in batch_indices(len(sequences), o.batch_size, step, o.seed)]
-        inputs = make_dflash_batch(target, model, store, batch, step_rng(o.seed, step),
-                                   o.blocks_per_sequence, weights_by_position)
-        return inputs, int(np.prod(inputs[1].shape[:2]))       # block positions
+        inputs = make_dflash_batch(
+            target, model, store, batch, step_rng(o.seed, step), o.blocks_per_sequence, weights_by_position
+        )
+        return inputs, int(np.prod(inputs[1].shape[:2]))  # block positions
 
     args = model.args
-    architecture = {"hidden_size": target.hidden_size, "target_layers": target.num_layers,
-                    "layers": args.num_hidden_layers, "block_size": args.block_size,
-                    "target_layer_ids": list(args.target_layer_ids), "mask_token_id": args.mask_token_id}
-    result = run_loop("dflash", model, make_dflash_loss(target), make_batch, o, out_dir, architecture,
-                      {"dflash": asdict(o)}, resume, progress, evaluate)
+    architecture = {
+        "hidden_size": target.hidden_size,
+        "target_layers": target.num_layers,
+        "layers": args.num_hidden_layers,
+        "block_size": args.block_size,
+        "target_layer_ids": list(args.target_layer_ids),
+        "mask_token_id": args.mask_token_id,
+    }
+    result = run_loop(
+        "dflash",
+        model,
+        make_dflash_loss(target),
+        make_batch,
+        o,
+        out_dir,
+        architecture,
+        {"dflash": asdict(o)},
+        resume,
+        progress,
+        evaluate,
+    )
     result.path = save_dflash(model, target, out_dir, o.save_dtype)
     return result

@@ -51,20 +51,22 @@ from .loop import (
 
 @dataclass
 class EagleOptions(LoopOptions):
-    ttt_steps: int = 7              # EAGLE-3's training-time test length
-    ttt_decay: float = 0.8          # weight of step j's loss: ttt_decay ** j
+    ttt_steps: int = 7  # EAGLE-3's training-time test length
+    ttt_decay: float = 0.8  # weight of step j's loss: ttt_decay ** j
     draft_vocab_size: int = 8192
-    layer_ids: Optional[List[int]] = None   # EAGLE's convention (layer inputs); None: 2, N//2, N-3
-    labels: str = "hard"            # hard: the data's next tokens; soft: the target's distribution there
+    layer_ids: Optional[List[int]] = None  # EAGLE's convention (layer inputs); None: 2, N//2, N-3
+    labels: str = "hard"  # hard: the data's next tokens; soft: the target's distribution there
 
 
 # --- the model --------------------------------------------------------------------------------
 
+
 def draft_vocabulary(sequences, vocab_size: int, draft_vocab_size: int) -> np.ndarray:
     """The `draft_vocab_size` target ids most frequent in the responses (ties: lower id first),
     sorted ascending."""
-    return vocabulary.frequent_ids((seq.tokens[seq.prompt_length:] for seq in sequences), vocab_size,
-                                   draft_vocab_size)
+    return vocabulary.frequent_ids(
+        (seq.tokens[seq.prompt_length :] for seq in sequences), vocab_size, draft_vocab_size
+    )
 
 
 def new_eagle_model(target, draft_ids: np.ndarray, layer_ids: Optional[Sequence[int]] = None) -> Model:
@@ -74,24 +76,34 @@ def new_eagle_model(target, draft_ids: np.ndarray, layer_ids: Optional[Sequence[
     layer_ids = list(layer_ids) if layer_ids else default_layer_ids(n)
     bad = [i for i in layer_ids if not 0 <= i <= n]
     if bad:
-        raise MlxSpecError(f"EAGLE-3 fuses the inputs of target layers {layer_ids}, but layer ids "
-                           f"must lie in 0..{n} for this {n}-layer target (a target needs at least "
-                           "3 layers for the default ids 2, N//2, N-3)")
-    args = ModelArgs(hidden_size=target.hidden_size, vocab_size=target.vocab_size,
-                     draft_vocab_size=len(draft_ids), aux_layer_ids=layer_ids, **layer_config(target))
+        raise MlxSpecError(
+            f"EAGLE-3 fuses the inputs of target layers {layer_ids}, but layer ids "
+            f"must lie in 0..{n} for this {n}-layer target (a target needs at least "
+            "3 layers for the default ids 2, N//2, N-3)"
+        )
+    args = ModelArgs(
+        hidden_size=target.hidden_size,
+        vocab_size=target.vocab_size,
+        draft_vocab_size=len(draft_ids),
+        aux_layer_ids=layer_ids,
+        **layer_config(target),
+    )
     model = Model(args, target_embed=target.embed)
     model.d2t = vocabulary.d2t(draft_ids)
-    model.freeze(keys=["d2t"], recurse=False)    # a mapping, not a weight
+    model.freeze(keys=["d2t"], recurse=False)  # a mapping, not a weight
     mx.eval(model.parameters())
     return model
 
 
 def target_to_draft(model: Model) -> np.ndarray:
     """[target vocab] -> draft id, or -1 outside the draft vocabulary."""
-    return vocabulary.columns(np.arange(model.args.draft_vocab_size) + np.array(model.d2t), model.args.vocab_size)
+    return vocabulary.columns(
+        np.arange(model.args.draft_vocab_size) + np.array(model.d2t), model.args.vocab_size
+    )
 
 
 # --- training-time test ------------------------------------------------------------------------
+
 
 def _chain_attention(q, keys, values, scale):
     """q [b, heads, n, d]. Row t attends to rows 0..t of keys[0] (the step-0 entries: real
@@ -101,14 +113,14 @@ def _chain_attention(q, keys, values, scale):
     b, h, n, d = q.shape
     kv_heads = keys[0].shape[1]
     q = (q * scale).reshape(b, kv_heads, h // kv_heads, n, d)
-    scores = q @ keys[0][:, :, None].swapaxes(-1, -2)                  # [b, kv, rep, n, n]
+    scores = q @ keys[0][:, :, None].swapaxes(-1, -2)  # [b, kv, rep, n, n]
     causal = mx.arange(n)[:, None] >= mx.arange(n)[None]
     scores = mx.where(causal, scores, mx.array(-mx.inf, scores.dtype))
-    own = [(q * k[:, :, None]).sum(-1, keepdims=True) for k in keys[1:]]   # [b, kv, rep, n, 1]
+    own = [(q * k[:, :, None]).sum(-1, keepdims=True) for k in keys[1:]]  # [b, kv, rep, n, 1]
     probs = mx.softmax(mx.concatenate([scores] + own, axis=-1), axis=-1, precise=True)
     out = probs[..., :n] @ values[0][:, :, None]
     for i, v in enumerate(values[1:]):
-        out = out + probs[..., n + i:n + i + 1] * v[:, :, None]
+        out = out + probs[..., n + i : n + i + 1] * v[:, :, None]
     return out.reshape(b, h, n, d)
 
 
@@ -139,7 +151,7 @@ def ttt_forward(model: Model, embeds: mx.array, fused: mx.array, steps: int) -> 
     for j in range(steps):
         normed = layer.hidden_norm(hidden)
         residual = normed if layer.norm_before_residual else hidden
-        x = mx.concatenate([layer.input_layernorm(embeds[:, j:j + n]), normed], axis=-1)
+        x = mx.concatenate([layer.input_layernorm(embeds[:, j : j + n]), normed], axis=-1)
         h = residual + chain_attention_step(attn, x, keys, values, j)
         hidden = h + layer.mlp(layer.post_attention_layernorm(h))
         outputs.append(hidden)
@@ -169,7 +181,9 @@ def eagle_loss(model: Model, embeds, features, labels, weights, step_weights):
         count = mx.maximum(weights[j].sum(), 1)
         total = total + step_weights[j] * (cross_entropy(logits, labels[j]) * weights[j]).sum() / count
         if j == 0:
-            accuracy = ((mx.argmax(logits, axis=-1) == top_label(labels[0], logits)) * weights[0]).sum() / count
+            accuracy = (
+                (mx.argmax(logits, axis=-1) == top_label(labels[0], logits)) * weights[0]
+            ).sum() / count
     return total / sum(step_weights), {"accuracy": accuracy}
 
 
@@ -188,8 +202,9 @@ def target_distribution(target, head, last: mx.array) -> mx.array:
     return mx.stop_gradient(mx.softmax(head(target.final_norm(last)).astype(mx.float32), axis=-1))
 
 
-def make_eagle_batch(target, model: Model, store: FeatureStore, sequences, steps: int,
-                     to_draft: np.ndarray, soft_head=None):
+def make_eagle_batch(
+    target, model: Model, store: FeatureStore, sequences, steps: int, to_draft: np.ndarray, soft_head=None
+):
     """(embeds, features, labels, weights) for the sequences, right-padded; see the module doc.
     soft_head (target_head): the store's last tap is the target's last layer, and the labels
     are its distributions (the features returned are the others)."""
@@ -203,22 +218,22 @@ def make_eagle_batch(target, model: Model, store: FeatureStore, sequences, steps
     for i, seq in enumerate(sequences):
         T = len(seq.tokens)
         tokens[i, :T] = seq.tokens
-        f = store.get(seq)[:T - 1]
+        f = store.get(seq)[: T - 1]
         features.append(mx.pad(f, [(0, n - (T - 1)), (0, 0)]) if T - 1 < n else f)
         for j in range(steps):
-            where = rows + 2 + j                         # the label's position in the sequence
+            where = rows + 2 + j  # the label's position in the sequence
             ids = to_draft[tokens[i, np.minimum(where, T - 1)]]
             valid = (where <= T - 1) & (where >= seq.prompt_length) & ((ids >= 0) | (soft_head is not None))
             labels[j, i] = np.where(valid, ids, 0)
             weights[j, i] = valid
-    embeds = target.embed(mx.array(tokens[:, 1:n + steps])).astype(mx.float32)
+    embeds = target.embed(mx.array(tokens[:, 1 : n + steps])).astype(mx.float32)
     features, labels = mx.stack(features), mx.array(labels)
     if soft_head is not None:
         # Row t of step j predicts position t+2+j: the target's output at t+1+j (past the
         # sequence only where the weight is 0).
         H = target.hidden_size
         features, probs = features[..., :-H], target_distribution(target, soft_head, features[..., -H:])
-        labels = mx.stack([mx.pad(probs[:, 1 + j:], [(0, 0), (0, 1 + j), (0, 0)]) for j in range(steps)])
+        labels = mx.stack([mx.pad(probs[:, 1 + j :], [(0, 0), (0, 1 + j), (0, 0)]) for j in range(steps)])
     return embeds, features, labels, mx.array(weights)
 
 
@@ -228,6 +243,7 @@ def check_labels(labels: str) -> None:
 
 
 # --- the published checkpoint -------------------------------------------------------------------
+
 
 def save_eagle3(model: Model, path, dtype: str = "float32") -> Path:
     """SafeAILab's layout: a Llama config with one layer and draft_vocab_size, and
@@ -240,15 +256,26 @@ def save_eagle3(model: Model, path, dtype: str = "float32") -> Path:
     weights = cast_for_saving(weights, dtype)
     weights["d2t"], weights["t2d"] = mx.array(d2t), mx.array(t2d)
     config = {
-        "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_act": "silu",
-        "hidden_size": args.hidden_size, "intermediate_size": args.intermediate_size,
-        "num_hidden_layers": 1, "num_attention_heads": args.num_attention_heads,
-        "num_key_value_heads": args.num_key_value_heads, "head_dim": args.head_dim,
-        "rms_norm_eps": args.rms_norm_eps, "rope_theta": args.rope_theta,
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "model_type": "llama",
+        "hidden_act": "silu",
+        "hidden_size": args.hidden_size,
+        "intermediate_size": args.intermediate_size,
+        "num_hidden_layers": 1,
+        "num_attention_heads": args.num_attention_heads,
+        "num_key_value_heads": args.num_key_value_heads,
+        "head_dim": args.head_dim,
+        "rms_norm_eps": args.rms_norm_eps,
+        "rope_theta": args.rope_theta,
         "max_position_embeddings": args.max_position_embeddings,
-        "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False,
-        "vocab_size": args.vocab_size, "draft_vocab_size": args.draft_vocab_size,
-        "eagle_aux_hidden_state_layer_ids": list(args.aux_layer_ids), "torch_dtype": dtype}
+        "attention_bias": False,
+        "mlp_bias": False,
+        "tie_word_embeddings": False,
+        "vocab_size": args.vocab_size,
+        "draft_vocab_size": args.draft_vocab_size,
+        "eagle_aux_hidden_state_layer_ids": list(args.aux_layer_ids),
+        "torch_dtype": dtype,
+    }
     if args.rope_scaling:
         config["rope_scaling"] = args.rope_scaling
     path.mkdir(parents=True, exist_ok=True)
@@ -259,9 +286,17 @@ def save_eagle3(model: Model, path, dtype: str = "float32") -> Path:
 
 # --- the run -------------------------------------------------------------------------------------
 
-def train_eagle(target, data_dir, out_dir, options: Optional[EagleOptions] = None, resume: bool = False,
-                feature_dir="default", progress: Optional[Callable[[dict], None]] = None,
-                feature_progress: Optional[Callable[[int], None]] = None) -> TrainResult:
+
+def train_eagle(
+    target,
+    data_dir,
+    out_dir,
+    options: Optional[EagleOptions] = None,
+    resume: bool = False,
+    feature_dir="default",
+    progress: Optional[Callable[[dict], None]] = None,
+    feature_progress: Optional[Callable[[int], None]] = None,
+) -> TrainResult:
     """Train an EAGLE-3 layer for `target` on `mlx-spec train data` output; write it to out_dir
     (SafeAILab layout) with training checkpoints in out_dir/checkpoint.
 
@@ -274,42 +309,66 @@ def train_eagle(target, data_dir, out_dir, options: Optional[EagleOptions] = Non
     check_labels(o.labels)
     out_dir = Path(out_dir)
     sequences = load_sequences(data_dir, o.max_length)
-    evaluate = DevEvaluation(target, o.eval_data or data_dir, lambda m: EagleDrafter(m, target.vocab_size), o.eval_prompts) \
-        if o.eval_every else None
+    evaluate = (
+        DevEvaluation(
+            target, o.eval_data or data_dir, lambda m: EagleDrafter(m, target.vocab_size), o.eval_prompts
+        )
+        if o.eval_every
+        else None
+    )
     out_dir.mkdir(parents=True, exist_ok=True)
     mx.random.seed(o.seed)
     start = resume_step(out_dir, resume)
-    if o.init and not start:   # continue a published layer (its own draft vocabulary and taps)
+    if o.init and not start:  # continue a published layer (its own draft vocabulary and taps)
         from ..models.eagle3 import load_eagle3
 
         model = load_eagle3(o.init, target)
         model.set_dtype(mx.float32)
         model.freeze(keys=["d2t"], recurse=False)
     else:
-        model = new_eagle_model(target, draft_vocabulary(sequences, target.vocab_size, o.draft_vocab_size),
-                                o.layer_ids)
+        model = new_eagle_model(
+            target, draft_vocabulary(sequences, target.vocab_size, o.draft_vocab_size), o.layer_ids
+        )
     soft_head = target_head(target, model) if o.labels == "soft" else None
     # Soft labels come from the target's last layer, cached as one more tap.
     taps = list(model.taps) + ([target.num_layers - 1] if soft_head is not None else [])
     store = FeatureStore(target, taps, out_dir / "features" if feature_dir == "default" else feature_dir)
-    store.prepare([sequences[i] for i in used_indices(len(sequences), o.batch_size, start, o.steps, o.seed)],
-                  feature_progress)
-    step_weights = [o.ttt_decay ** j for j in range(o.ttt_steps)]
+    store.prepare(
+        [sequences[i] for i in used_indices(len(sequences), o.batch_size, start, o.steps, o.seed)],
+        feature_progress,
+    )
+    step_weights = [o.ttt_decay**j for j in range(o.ttt_steps)]
     to_draft = None
 
     def make_batch(step):
         nonlocal to_draft
-        if to_draft is None:          # after a resume, d2t is the checkpoint's
+        if to_draft is None:  # after a resume, d2t is the checkpoint's
             to_draft = target_to_draft(model)
         batch = [sequences[i] for i in batch_indices(len(sequences), o.batch_size, step, o.seed)]
-        embeds, features, labels, weights = make_eagle_batch(target, model, store, batch, o.ttt_steps, to_draft,
-                                                             soft_head)
+        embeds, features, labels, weights = make_eagle_batch(
+            target, model, store, batch, o.ttt_steps, to_draft, soft_head
+        )
         return (embeds, features, labels, weights, step_weights), sum(len(s.tokens) for s in batch)
 
-    architecture = {"hidden_size": target.hidden_size, "target_layers": target.num_layers,
-                    "vocab_size": target.vocab_size, "draft_vocab_size": model.args.draft_vocab_size,
-                    "layer_ids": list(model.args.aux_layer_ids)}
-    result = run_loop("eagle", model, eagle_loss, make_batch, o, out_dir, architecture,
-                      {"eagle": asdict(o)}, resume, progress, evaluate)
+    architecture = {
+        "hidden_size": target.hidden_size,
+        "target_layers": target.num_layers,
+        "vocab_size": target.vocab_size,
+        "draft_vocab_size": model.args.draft_vocab_size,
+        "layer_ids": list(model.args.aux_layer_ids),
+    }
+    result = run_loop(
+        "eagle",
+        model,
+        eagle_loss,
+        make_batch,
+        o,
+        out_dir,
+        architecture,
+        {"eagle": asdict(o)},
+        resume,
+        progress,
+        evaluate,
+    )
     result.path = save_eagle3(model, out_dir, o.save_dtype)
     return result

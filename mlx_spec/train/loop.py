@@ -29,22 +29,23 @@ from ..models.checkpoint import FLOAT_DTYPES
 from ..sampling import SamplingParams
 from .data import read_split
 
-CHECKPOINT = "checkpoint"       # <out>/checkpoint: training state (weights, optimizer, step)
+CHECKPOINT = "checkpoint"  # <out>/checkpoint: training state (weights, optimizer, step)
 SAVE_DTYPES = tuple(FLOAT_DTYPES)
 
 
 @dataclass
 class TrainSequence:
     """One training sequence: prompt + response tokens (truncated), the prompt's length."""
-    index: int                  # row index in the data: names its cached features
+
+    index: int  # row index in the data: names its cached features
     tokens: List[int]
     prompt_length: int
 
 
 @dataclass
 class TrainResult:
-    step: int                   # steps done (the last checkpoint's, after a resume)
-    losses: List[float] = field(default_factory=list)   # one per step run in this call
+    step: int  # steps done (the last checkpoint's, after a resume)
+    losses: List[float] = field(default_factory=list)  # one per step run in this call
     path: Optional[Path] = None  # the published checkpoint, once written
 
 
@@ -62,24 +63,28 @@ def load_sequences(data_dir, max_length: int = 1024, split: str = "train") -> Li
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise MlxSpecError(f"corrupt {data_dir / (split + '.jsonl')}: {e}") from None
     if not rows:
-        raise MlxSpecError(f"no training data in {data_dir} ({split}.jsonl missing or empty): "
-                           "build it with `mlx-spec train data`")
+        raise MlxSpecError(
+            f"no training data in {data_dir} ({split}.jsonl missing or empty): "
+            "build it with `mlx-spec train data`"
+        )
     out = []
     for i, row in enumerate(rows):
         try:
             prompt, response = list(row["prompt_tokens"]), list(row["response_tokens"])
         except (KeyError, TypeError):
-            raise MlxSpecError(f"{data_dir / (split + '.jsonl')} row {i + 1} lacks prompt_tokens/"
-                               "response_tokens") from None
+            raise MlxSpecError(
+                f"{data_dir / (split + '.jsonl')} row {i + 1} lacks prompt_tokens/response_tokens"
+            ) from None
         if not response or not prompt:
             continue
         if len(prompt) + len(response) > max_length:
-            response = response[:max(1, max_length // 2, max_length - len(prompt))]
-            prompt = prompt[-(max_length - len(response)):]
+            response = response[: max(1, max_length // 2, max_length - len(prompt))]
+            prompt = prompt[-(max_length - len(response)) :]
         out.append(TrainSequence(i, [int(t) for t in prompt + response], len(prompt)))
     if not out:
-        raise MlxSpecError(f"no usable training rows in {data_dir}: every row has an empty "
-                           "prompt or response")
+        raise MlxSpecError(
+            f"no usable training rows in {data_dir}: every row has an empty prompt or response"
+        )
     return out
 
 
@@ -88,17 +93,21 @@ def layer_config(target) -> dict:
     cfg = target.config.get("text_config", target.config)
     missing = [k for k in ("num_attention_heads", "intermediate_size") if not cfg.get(k)]
     if missing:
-        raise MlxSpecError(f"the target's config.json lacks {', '.join(missing)}: cannot shape a drafter "
-                           "layer like the target's")
+        raise MlxSpecError(
+            f"the target's config.json lacks {', '.join(missing)}: cannot shape a drafter "
+            "layer like the target's"
+        )
     heads = int(cfg["num_attention_heads"])
-    return {"num_attention_heads": heads,
-            "num_key_value_heads": int(cfg.get("num_key_value_heads") or heads),
-            "head_dim": int(cfg.get("head_dim") or target.hidden_size // heads),
-            "intermediate_size": int(cfg["intermediate_size"]),
-            "rms_norm_eps": float(cfg.get("rms_norm_eps", 1e-6)),
-            "rope_theta": float(cfg.get("rope_theta", 10000.0)),
-            "rope_scaling": cfg.get("rope_scaling"),
-            "max_position_embeddings": int(cfg.get("max_position_embeddings") or 4096)}
+    return {
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(cfg.get("num_key_value_heads") or heads),
+        "head_dim": int(cfg.get("head_dim") or target.hidden_size // heads),
+        "intermediate_size": int(cfg["intermediate_size"]),
+        "rms_norm_eps": float(cfg.get("rms_norm_eps", 1e-6)),
+        "rope_theta": float(cfg.get("rope_theta", 10000.0)),
+        "rope_scaling": cfg.get("rope_scaling"),
+        "max_position_embeddings": int(cfg.get("max_position_embeddings") or 4096),
+    }
 
 
 @functools.lru_cache(maxsize=4)
@@ -108,7 +117,9 @@ def _epoch_order(n: int, seed: int, epoch: int) -> np.ndarray:
 
 def batch_indices(n: int, batch_size: int, step: int, seed: int) -> List[int]:
     """The sequences of step `step`: epochs of seeded permutations, read in order."""
-    return [int(_epoch_order(n, seed, k // n)[k % n]) for k in range(step * batch_size, (step + 1) * batch_size)]
+    return [
+        int(_epoch_order(n, seed, k // n)[k % n]) for k in range(step * batch_size, (step + 1) * batch_size)
+    ]
 
 
 def step_rng(seed: int, step: int) -> np.random.Generator:
@@ -129,8 +140,12 @@ class FeatureStore:
         if directory is not None:  # one folder per set of taps: EAGLE and DFlash runs may share
             self.directory = Path(directory) / ("taps_" + "_".join(str(i) for i in self.taps))
             self.directory.mkdir(parents=True, exist_ok=True)
-            meta = {"target": str(getattr(target, "path", None)), "taps": self.taps,
-                    "hidden_size": target.hidden_size, "num_layers": target.num_layers}
+            meta = {
+                "target": str(getattr(target, "path", None)),
+                "taps": self.taps,
+                "hidden_size": target.hidden_size,
+                "num_layers": target.num_layers,
+            }
             meta_path = self.directory / "features.json"
             if meta_path.exists() and json.loads(meta_path.read_text()) != meta:
                 for f in self.directory.glob("*.safetensors"):  # another target or other taps
@@ -155,7 +170,7 @@ class FeatureStore:
         _, taps = self.target.forward(tokens, make_prompt_cache(self.target.model), self.taps)
         features = mx.concatenate([taps[i] for i in self.taps], axis=-1).astype(mx.float32)
         mx.eval(features)
-        return [features[i, :len(s.tokens)] for i, s in enumerate(seqs)]
+        return [features[i, : len(s.tokens)] for i, s in enumerate(seqs)]
 
     def get(self, seq: TrainSequence) -> mx.array:
         """[len(tokens), len(taps) * H] float32."""
@@ -169,21 +184,26 @@ class FeatureStore:
 
     def _keep(self, seq: TrainSequence, features: mx.array) -> mx.array:
         if self.directory is not None:
-            mx.save_safetensors(str(self._path(seq)),
-                                {"features": features, "tokens": mx.array(seq.tokens, mx.int32)})
+            mx.save_safetensors(
+                str(self._path(seq)), {"features": features, "tokens": mx.array(seq.tokens, mx.int32)}
+            )
         else:
             self.memory[seq.index] = features
         return features
 
-    def prepare(self, sequences: Sequence[TrainSequence], progress: Optional[Callable[[int], None]] = None,
-                batch_size: int = 8):
+    def prepare(
+        self,
+        sequences: Sequence[TrainSequence],
+        progress: Optional[Callable[[int], None]] = None,
+        batch_size: int = 8,
+    ):
         """Compute (and store) every missing feature up front, in batches of similar lengths
         (1.5x the one-sequence rate on 2 CPU cores)."""
         missing = sorted((s for s in sequences if not self.has(s)), key=lambda s: len(s.tokens))
         if progress:
             progress(len(sequences) - len(missing))
         for start in range(0, len(missing), batch_size):
-            group = missing[start:start + batch_size]
+            group = missing[start : start + batch_size]
             for seq, features in zip(group, self.compute(group)):
                 self._keep(seq, features)
             if progress:
@@ -204,12 +224,16 @@ def used_indices(n: int, batch_size: int, start: int, steps: int, seed: int) -> 
 def make_optimizer(lr: float, steps: int, warmup: int, weight_decay: float) -> optim.Optimizer:
     """AdamW; linear warmup, then cosine decay to a tenth of lr."""
     decay = optim.cosine_decay(lr, max(1, steps - warmup), lr * 0.1)
-    schedule = decay if warmup <= 0 else optim.join_schedules(
-        [optim.linear_schedule(lr * 1e-2, lr, warmup), decay], [warmup])
+    schedule = (
+        decay
+        if warmup <= 0
+        else optim.join_schedules([optim.linear_schedule(lr * 1e-2, lr, warmup), decay], [warmup])
+    )
     return optim.AdamW(learning_rate=schedule, weight_decay=weight_decay)
 
 
 # --- checkpoints ------------------------------------------------------------------------------
+
 
 def save_checkpoint(out_dir, model: nn.Module, optimizer: optim.Optimizer, step: int, state: dict) -> Path:
     """<out>/checkpoint: weights, optimizer state and step, replaced atomically."""
@@ -233,7 +257,7 @@ def save_checkpoint(out_dir, model: nn.Module, optimizer: optim.Optimizer, step:
 
 def read_checkpoint_state(out_dir) -> Optional[dict]:
     final, old = Path(out_dir) / CHECKPOINT, Path(out_dir) / (CHECKPOINT + ".old")
-    if not final.exists() and old.exists():   # interrupted between the two renames of a save
+    if not final.exists() and old.exists():  # interrupted between the two renames of a save
         old.rename(final)
     path = final / "state.json"
     if not path.exists():
@@ -249,8 +273,10 @@ def resume_step(out_dir, resume: bool) -> int:
     would be overwritten)."""
     saved = read_checkpoint_state(out_dir)
     if saved is not None and not resume:
-        raise MlxSpecError(f"{out_dir} already holds a training checkpoint: pass --resume to continue "
-                           "it, or choose another --out")
+        raise MlxSpecError(
+            f"{out_dir} already holds a training checkpoint: pass --resume to continue "
+            "it, or choose another --out"
+        )
     return int(saved["step"]) if saved else 0
 
 
@@ -261,8 +287,10 @@ def check_resumable(saved: dict, kind: str, architecture: dict, out_dir) -> None
     diff = sorted(k for k in set(old) | set(architecture) if old.get(k) != architecture.get(k))
     if diff:
         k = diff[0]
-        raise MlxSpecError(f"cannot resume {out_dir}/{CHECKPOINT}: it was trained with {k}="
-                           f"{old.get(k)}, this run asks for {architecture.get(k)}")
+        raise MlxSpecError(
+            f"cannot resume {out_dir}/{CHECKPOINT}: it was trained with {k}="
+            f"{old.get(k)}, this run asks for {architecture.get(k)}"
+        )
 
 
 def load_checkpoint(out_dir, model: nn.Module, optimizer: optim.Optimizer) -> None:
@@ -287,24 +315,26 @@ def cast_for_saving(weights: Dict[str, mx.array], dtype: str) -> Dict[str, mx.ar
 
 # --- the loop -----------------------------------------------------------------------------------
 
+
 @dataclass
 class LoopOptions:
     """What every trainer shares; EagleOptions, DFlashOptions, MTPOptions and MedusaOptions add
     their own fields. The defaults here and there are the only ones: the CLI reads them."""
+
     steps: int = 2000
     batch_size: int = 4
     lr: float = 3e-4
     warmup: int = 50
     weight_decay: float = 0.0
     grad_clip: float = 1.0
-    max_length: int = 1024          # tokens per sequence (prompt + response)
+    max_length: int = 1024  # tokens per sequence (prompt + response)
     save_every: int = 200
     seed: int = 0
     save_dtype: str = "float32"
-    max_minutes: float = 0.0        # stop (and checkpoint) after this much training; 0: no limit
-    init: Optional[str] = None      # start from this published drafter's weights (not a resume)
-    eval_every: int = 0             # steps between dev evaluations (tau at 4 drafts); 0: none
-    eval_prompts: int = 8           # dev prompts (the data's held-out split) per evaluation
+    max_minutes: float = 0.0  # stop (and checkpoint) after this much training; 0: no limit
+    init: Optional[str] = None  # start from this published drafter's weights (not a resume)
+    eval_every: int = 0  # steps between dev evaluations (tau at 4 drafts); 0: none
+    eval_prompts: int = 8  # dev prompts (the data's held-out split) per evaluation
     eval_data: Optional[str] = None  # take the dev prompts from this data directory instead
 
     @classmethod
@@ -322,12 +352,25 @@ class DevEvaluation:
     engine with a drafter built from the model as it is (make_drafter(model)); with sampling
     (temp > 0), once per seed of `seeds`."""
 
-    def __init__(self, target, data_dir, make_drafter: Callable, prompts: int = 8, max_tokens: int = 32,
-                 draft_tokens: int = 4, sampling: SamplingParams = SamplingParams(), seeds: Sequence[int] = (0,)):
+    def __init__(
+        self,
+        target,
+        data_dir,
+        make_drafter: Callable,
+        prompts: int = 8,
+        max_tokens: int = 32,
+        draft_tokens: int = 4,
+        sampling: SamplingParams = SamplingParams(),
+        seeds: Sequence[int] = (0,),
+    ):
         # One row per prompt: data merged from several runs (greedy and sampled) repeats them.
-        rows = sorted({r["id"]: r for r in read_split(data_dir, "heldout")}.values(), key=lambda r: r["id"])[:prompts]
+        rows = sorted({r["id"]: r for r in read_split(data_dir, "heldout")}.values(), key=lambda r: r["id"])[
+            :prompts
+        ]
         if not rows:
-            raise MlxSpecError(f"--eval-every needs held-out prompts: {data_dir}/heldout.jsonl is empty or missing")
+            raise MlxSpecError(
+                f"--eval-every needs held-out prompts: {data_dir}/heldout.jsonl is empty or missing"
+            )
         self.target, self.make_drafter = target, make_drafter
         self.prompts = [r["prompt_tokens"] for r in rows]
         self.max_tokens, self.draft_tokens = max_tokens, draft_tokens
@@ -335,8 +378,13 @@ class DevEvaluation:
 
     def __call__(self, model: nn.Module) -> dict:
         committed = steps = 0
-        engine = Engine(self.target, self.make_drafter(model), num_draft_tokens=self.draft_tokens, adaptive=False,
-                        sampling=self.sampling)
+        engine = Engine(
+            self.target,
+            self.make_drafter(model),
+            num_draft_tokens=self.draft_tokens,
+            adaptive=False,
+            sampling=self.sampling,
+        )
         for prompt in self.prompts:
             for seed in self.seeds:
                 stats = Collector.of(engine.generate(prompt, max_tokens=self.max_tokens, seed=seed)).stats
@@ -344,10 +392,19 @@ class DevEvaluation:
         return {"dev_tau": committed / steps if steps else 0.0, "dev_prompts": len(self.prompts)}
 
 
-def run_loop(kind: str, model: nn.Module, loss_fn: Callable, make_batch: Callable[[int], tuple],
-             options: LoopOptions, out_dir, architecture: dict, extra_state: dict, resume: bool,
-             progress: Optional[Callable[[dict], None]] = None,
-             evaluate: Optional[DevEvaluation] = None) -> TrainResult:
+def run_loop(
+    kind: str,
+    model: nn.Module,
+    loss_fn: Callable,
+    make_batch: Callable[[int], tuple],
+    options: LoopOptions,
+    out_dir,
+    architecture: dict,
+    extra_state: dict,
+    resume: bool,
+    progress: Optional[Callable[[dict], None]] = None,
+    evaluate: Optional[DevEvaluation] = None,
+) -> TrainResult:
     """Train `model` for options.steps steps (from the checkpoint's step with `resume`).
 
     loss_fn(model, *batch) -> (loss, metrics dict of scalars); make_batch(step) -> (batch tuple,
@@ -379,7 +436,7 @@ def run_loop(kind: str, model: nn.Module, loss_fn: Callable, make_batch: Callabl
         dev_record(start)
         for step in range(start, options.steps):
             if deadline is not None and time.monotonic() > deadline:
-                break   # the time budget is spent: checkpoint below, a later --resume continues
+                break  # the time budget is spent: checkpoint below, a later --resume continues
             tic = time.perf_counter()
             batch, positions = make_batch(step)
             (loss, metrics), grads = value_and_grad(model, *batch)
@@ -388,11 +445,16 @@ def run_loop(kind: str, model: nn.Module, loss_fn: Callable, make_batch: Callabl
             optimizer.update(model, grads)
             mx.eval(loss, metrics, model.parameters(), optimizer.state)
             seconds = time.perf_counter() - tic
-            record = {"step": step + 1, "loss": loss.item(), "positions_per_s": positions / seconds,
-                      **{k: v.item() for k, v in metrics.items()}}
+            record = {
+                "step": step + 1,
+                "loss": loss.item(),
+                "positions_per_s": positions / seconds,
+                **{k: v.item() for k, v in metrics.items()},
+            }
             if not np.isfinite(record["loss"]):
-                raise MlxSpecError(f"training diverged at step {step + 1} (loss {record['loss']}): "
-                                   "lower --lr")
+                raise MlxSpecError(
+                    f"training diverged at step {step + 1} (loss {record['loss']}): lower --lr"
+                )
             result.losses.append(record["loss"])
             result.step = step + 1
             log.write(json.dumps(record) + "\n")
@@ -423,9 +485,7 @@ def progress_bar(steps: int, start: int, label: str):
             extra += f" accepted/block {record['accepted']:.2f}"
         return f"loss {record['loss']:.3f}{extra} {record['positions_per_s']:.0f} tok/s"
 
-    bar = click.progressbar(length=steps, label=label, item_show_func=show,
-                            file=sys.stderr)
+    bar = click.progressbar(length=steps, label=label, item_show_func=show, file=sys.stderr)
     if start:
         bar.update(start)
     return bar, lambda record: bar.update(1, record)
-

@@ -37,9 +37,9 @@ from .loop import (
 class MedusaOptions(LoopOptions):
     lr: float = 1e-3
     heads: int = 4
-    layers: int = 1                 # residual blocks per head
-    rows_per_head: int = 256        # labelled rows per head and step
-    head_decay: float = 0.8         # weight of head i's loss: head_decay ** i
+    layers: int = 1  # residual blocks per head
+    rows_per_head: int = 256  # labelled rows per head and step
+    head_decay: float = 0.8  # weight of head i's loss: head_decay ** i
 
 
 def new_medusa_model(target, heads: int, layers: int) -> Model:
@@ -70,7 +70,7 @@ def make_medusa_batch(model: Model, store: FeatureStore, sequences, heads: int, 
     features, rows, labels, offset = [], [[] for _ in range(heads)], [[] for _ in range(heads)], 0
     for seq in sequences:
         T = len(seq.tokens)
-        features.append(store.get(seq)[:T - 1])
+        features.append(store.get(seq)[: T - 1])
         for i in range(heads):
             for t in range(T - 1):
                 if seq.prompt_length <= t + 2 + i <= T - 1:
@@ -78,7 +78,7 @@ def make_medusa_batch(model: Model, store: FeatureStore, sequences, heads: int, 
                     labels[i].append(seq.tokens[t + 2 + i])
         offset += T - 1
     for i in range(heads):
-        if not rows[i]:                    # every sequence too short for this head
+        if not rows[i]:  # every sequence too short for this head
             rows[i], labels[i] = [0], [sequences[0].tokens[-1]]
         if len(rows[i]) > rows_per_head:
             pick = np.sort(rng.choice(len(rows[i]), rows_per_head, replace=False))
@@ -87,9 +87,16 @@ def make_medusa_batch(model: Model, store: FeatureStore, sequences, heads: int, 
     return hidden, [mx.array(r) for r in rows], [mx.array(l) for l in labels]
 
 
-def train_medusa(target, data_dir, out_dir, options: Optional[MedusaOptions] = None, resume: bool = False,
-                 feature_dir="default", progress: Optional[Callable[[dict], None]] = None,
-                 feature_progress: Optional[Callable[[int], None]] = None) -> TrainResult:
+def train_medusa(
+    target,
+    data_dir,
+    out_dir,
+    options: Optional[MedusaOptions] = None,
+    resume: bool = False,
+    feature_dir="default",
+    progress: Optional[Callable[[dict], None]] = None,
+    feature_progress: Optional[Callable[[int], None]] = None,
+) -> TrainResult:
     """Train compact Medusa heads for `target`; write them to out_dir (FasterDecoding's layout,
     without output layers), loadable with --draft medusa --draft-model out_dir."""
     o = options or MedusaOptions()
@@ -97,8 +104,11 @@ def train_medusa(target, data_dir, out_dir, options: Optional[MedusaOptions] = N
         raise MlxSpecError("--heads, --rows-per-head, --batch-size and --steps must be >= 1, --layers >= 0")
     out_dir = Path(out_dir)
     sequences = load_sequences(data_dir, o.max_length)
-    evaluate = DevEvaluation(target, o.eval_data or data_dir, lambda m: MedusaDrafter(target, m), o.eval_prompts) \
-        if o.eval_every else None
+    evaluate = (
+        DevEvaluation(target, o.eval_data or data_dir, lambda m: MedusaDrafter(target, m), o.eval_prompts)
+        if o.eval_every
+        else None
+    )
     out_dir.mkdir(parents=True, exist_ok=True)
     start = resume_step(out_dir, resume)
     if o.init and not start:
@@ -108,21 +118,40 @@ def train_medusa(target, data_dir, out_dir, options: Optional[MedusaOptions] = N
         model.set_dtype(mx.float32)
     else:
         model = new_medusa_model(target, o.heads, o.layers)
-    store = FeatureStore(target, [target.num_layers - 1],
-                         out_dir / "features" if feature_dir == "default" else feature_dir)
-    store.prepare([sequences[i] for i in used_indices(len(sequences), o.batch_size, start, o.steps, o.seed)],
-                  feature_progress)
-    head_weights = [o.head_decay ** i for i in range(model.args.num_heads)]
+    store = FeatureStore(
+        target, [target.num_layers - 1], out_dir / "features" if feature_dir == "default" else feature_dir
+    )
+    store.prepare(
+        [sequences[i] for i in used_indices(len(sequences), o.batch_size, start, o.steps, o.seed)],
+        feature_progress,
+    )
+    head_weights = [o.head_decay**i for i in range(model.args.num_heads)]
 
     def make_batch(step):
         batch = [sequences[i] for i in batch_indices(len(sequences), o.batch_size, step, o.seed)]
-        hidden, rows, labels = make_medusa_batch(model, store, batch, model.args.num_heads, o.rows_per_head,
-                                                 step_rng(o.seed, step))
+        hidden, rows, labels = make_medusa_batch(
+            model, store, batch, model.args.num_heads, o.rows_per_head, step_rng(o.seed, step)
+        )
         return (hidden, rows, labels, head_weights), sum(len(r) for r in rows)
 
-    architecture = {"hidden_size": target.hidden_size, "vocab_size": target.vocab_size,
-                    "heads": model.args.num_heads, "layers": model.args.num_layers}
-    result = run_loop("medusa", model, medusa_loss, make_batch, o, out_dir, architecture, {"medusa": asdict(o)},
-                      resume, progress, evaluate)
+    architecture = {
+        "hidden_size": target.hidden_size,
+        "vocab_size": target.vocab_size,
+        "heads": model.args.num_heads,
+        "layers": model.args.num_layers,
+    }
+    result = run_loop(
+        "medusa",
+        model,
+        medusa_loss,
+        make_batch,
+        o,
+        out_dir,
+        architecture,
+        {"medusa": asdict(o)},
+        resume,
+        progress,
+        evaluate,
+    )
     result.path = save_medusa(model, out_dir, getattr(mx, o.save_dtype))
     return result

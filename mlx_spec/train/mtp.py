@@ -57,25 +57,27 @@ from .loop import (
 
 @dataclass
 class MTPOptions(LoopOptions):
-    ttt_steps: int = 3              # depths trained: the module fed its own output
-    ttt_decay: float = 0.8          # weight of step j's loss: ttt_decay ** j
-    labels: str = "hard"            # hard: the data's next tokens; soft: the target's distribution there
+    ttt_steps: int = 3  # depths trained: the module fed its own output
+    ttt_decay: float = 0.8  # weight of step j's loss: ttt_decay ** j
+    labels: str = "hard"  # hard: the data's next tokens; soft: the target's distribution there
 
 
 def new_mtp_model(target, seed: int = 0) -> Model:
     layer = target.layers[-1]
     needed = ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm")
     if not all(hasattr(layer, a) for a in needed) or not hasattr(layer.self_attn, "q_proj"):
-        raise MlxSpecError(f"training an MTP module needs a Llama-family target (q/k/v/o attention); "
-                           f"this one is {target.model_type}")
+        raise MlxSpecError(
+            f"training an MTP module needs a Llama-family target (q/k/v/o attention); "
+            f"this one is {target.model_type}"
+        )
     model = Model(target, LAYOUTS["deepseek"])
-    model.layer.update(layer.parameters())       # a copy of the target's last layer, whose
+    model.layer.update(layer.parameters())  # a copy of the target's last layer, whose
     # residual branches start at zero: it was made for the residual stream, not a normed state
     model.layer.self_attn.o_proj.weight = mx.zeros_like(model.layer.self_attn.o_proj.weight)
     model.layer.mlp.down_proj.weight = mx.zeros_like(model.layer.mlp.down_proj.weight)
     H = target.hidden_size
     noise = mx.random.normal((H, H), key=mx.random.key(seed)) * (0.02 / np.sqrt(H))
-    model.proj.weight = mx.concatenate([noise, mx.eye(H)], axis=1)   # [embedding ; hidden]
+    model.proj.weight = mx.concatenate([noise, mx.eye(H)], axis=1)  # [embedding ; hidden]
     model.set_dtype(mx.float32)
     mx.eval(model.parameters())
     return model
@@ -89,8 +91,8 @@ def ttt_forward(model: Model, embeds: mx.array, hidden: mx.array, steps: int) ->
     b, n, _ = hidden.shape
     outputs, keys, values = [], [], []
     for j in range(steps):
-        e = embeds[:, j:j + n]
-        if j == 0:   # position 0's embedding is zeroed (models/mtp.py)
+        e = embeds[:, j : j + n]
+        if j == 0:  # position 0's embedding is zeroed (models/mtp.py)
             e = mx.concatenate([mx.zeros_like(e[:, :1]), e[:, 1:]], axis=1)
         x = model.proj(mx.concatenate([model.embed_norm(e), model.hidden_norm(hidden)], axis=-1))
         h = x + chain_attention_step(attn, layer.input_layernorm(x), keys, values, j)
@@ -139,15 +141,21 @@ def make_mtp_batch(target, model: Model, store: FeatureStore, sequences, steps: 
     embeds, features, labels, weights = make_eagle_batch(target, model, store, sequences, steps, index)
     labels, weights = np.array(labels).reshape(steps, -1), np.array(weights).reshape(steps, -1)
     rows = [np.flatnonzero(w) for w in weights]
-    if not len(rows[0]):   # a batch without responses: a harmless row (cannot happen with real data)
+    if not len(rows[0]):  # a batch without responses: a harmless row (cannot happen with real data)
         first = sequences[0].tokens
-        rows, labels = [np.array([0])] * steps, np.full((steps, 1), max(0, index[first[2]]) if len(first) > 2 else 0)
+        rows, labels = (
+            [np.array([0])] * steps,
+            np.full((steps, 1), max(0, index[first[2]]) if len(first) > 2 else 0),
+        )
         soft_head = None
     else:
         labels = [labels[j][r] for j, r in enumerate(rows)]
     rows = [mx.array(r) for r in rows]
-    labels = ([target_probabilities(target, soft_head, features, r, j) for j, r in enumerate(rows)]
-              if soft_head is not None else [mx.array(l) for l in labels])
+    labels = (
+        [target_probabilities(target, soft_head, features, r, j) for j, r in enumerate(rows)]
+        if soft_head is not None
+        else [mx.array(l) for l in labels]
+    )
     return embeds, model.fuse(features).astype(mx.float32), rows, labels
 
 
@@ -156,7 +164,12 @@ def save_mtp(model: Model, target, path, dtype: str = "float32") -> Path:
     shared_head.norm, <the decoder layer>} in model.safetensors, next to the target's
     config.json with num_nextn_predict_layers = 1 (what load_mtp reads)."""
     path, n = Path(path), target.num_layers
-    names = {"embed_norm": "enorm", "hidden_norm": "hnorm", "proj": "eh_proj", "final_norm": "shared_head.norm"}
+    names = {
+        "embed_norm": "enorm",
+        "hidden_norm": "hnorm",
+        "proj": "eh_proj",
+        "final_norm": "shared_head.norm",
+    }
     weights = {}
     for name, w in tree_flatten(model.parameters()):
         part, rest = name.split(".", 1)
@@ -166,13 +179,22 @@ def save_mtp(model: Model, target, path, dtype: str = "float32") -> Path:
     config.pop("quantization_config", None)
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(config, indent=2))
-    mx.save_safetensors(str(path / "model.safetensors"), cast_for_saving(weights, dtype), metadata={"format": "pt"})
+    mx.save_safetensors(
+        str(path / "model.safetensors"), cast_for_saving(weights, dtype), metadata={"format": "pt"}
+    )
     return path
 
 
-def train_mtp(target, data_dir, out_dir, options: Optional[MTPOptions] = None, resume: bool = False,
-              feature_dir="default", progress: Optional[Callable[[dict], None]] = None,
-              feature_progress: Optional[Callable[[int], None]] = None) -> TrainResult:
+def train_mtp(
+    target,
+    data_dir,
+    out_dir,
+    options: Optional[MTPOptions] = None,
+    resume: bool = False,
+    feature_dir="default",
+    progress: Optional[Callable[[dict], None]] = None,
+    feature_progress: Optional[Callable[[int], None]] = None,
+) -> TrainResult:
     """Train an MTP module for `target` on `mlx-spec train data` output; write it to out_dir
     (DeepSeek layout, loadable with --draft mtp --draft-model out_dir)."""
     o = options or MTPOptions()
@@ -181,8 +203,13 @@ def train_mtp(target, data_dir, out_dir, options: Optional[MTPOptions] = None, r
     check_labels(o.labels)
     out_dir = Path(out_dir)
     sequences = load_sequences(data_dir, o.max_length)
-    evaluate = DevEvaluation(target, o.eval_data or data_dir, lambda m: EagleDrafter(m, target.vocab_size), o.eval_prompts) \
-        if o.eval_every else None
+    evaluate = (
+        DevEvaluation(
+            target, o.eval_data or data_dir, lambda m: EagleDrafter(m, target.vocab_size), o.eval_prompts
+        )
+        if o.eval_every
+        else None
+    )
     out_dir.mkdir(parents=True, exist_ok=True)
     mx.random.seed(o.seed)
     start = resume_step(out_dir, resume)
@@ -193,26 +220,47 @@ def train_mtp(target, data_dir, out_dir, options: Optional[MTPOptions] = None, r
         model.set_dtype(mx.float32)
     else:
         model = new_mtp_model(target, o.seed)
-    if o.init and model.draft_ids is None:   # resumed: the draft vocabulary is not in the checkpoint
+    if o.init and model.draft_ids is None:  # resumed: the draft vocabulary is not in the checkpoint
         ids = vocabulary.read(o.init, target.vocab_size)
         if ids is not None:
             model.use_vocabulary(ids)
     soft_head = target_head(target, model) if o.labels == "soft" else None
-    store = FeatureStore(target, model.taps, out_dir / "features" if feature_dir == "default" else feature_dir)
-    store.prepare([sequences[i] for i in used_indices(len(sequences), o.batch_size, start, o.steps, o.seed)],
-                  feature_progress)
-    step_weights = [o.ttt_decay ** j for j in range(o.ttt_steps)]
+    store = FeatureStore(
+        target, model.taps, out_dir / "features" if feature_dir == "default" else feature_dir
+    )
+    store.prepare(
+        [sequences[i] for i in used_indices(len(sequences), o.batch_size, start, o.steps, o.seed)],
+        feature_progress,
+    )
+    step_weights = [o.ttt_decay**j for j in range(o.ttt_steps)]
 
     def make_batch(step):
         batch = [sequences[i] for i in batch_indices(len(sequences), o.batch_size, step, o.seed)]
-        return ((*make_mtp_batch(target, model, store, batch, o.ttt_steps, soft_head), step_weights),
-                sum(len(s.tokens) for s in batch))
+        return (
+            (*make_mtp_batch(target, model, store, batch, o.ttt_steps, soft_head), step_weights),
+            sum(len(s.tokens) for s in batch),
+        )
 
-    architecture = {"hidden_size": target.hidden_size, "target_layers": target.num_layers,
-                    "vocab_size": target.vocab_size, "layout": "deepseek"}
-    result = run_loop("mtp", model, mtp_loss, make_batch, o, out_dir, architecture, {"mtp": asdict(o)},
-                      resume, progress, evaluate)
+    architecture = {
+        "hidden_size": target.hidden_size,
+        "target_layers": target.num_layers,
+        "vocab_size": target.vocab_size,
+        "layout": "deepseek",
+    }
+    result = run_loop(
+        "mtp",
+        model,
+        mtp_loss,
+        make_batch,
+        o,
+        out_dir,
+        architecture,
+        {"mtp": asdict(o)},
+        resume,
+        progress,
+        evaluate,
+    )
     result.path = save_mtp(model, target, out_dir, o.save_dtype)
-    if model.draft_ids is not None:   # the draft vocabulary it was trained over goes with it
+    if model.draft_ids is not None:  # the draft vocabulary it was trained over goes with it
         vocabulary.write(out_dir, np.array(model.draft_ids))
     return result

@@ -69,7 +69,6 @@ SUPPORTED_ARCHITECTURES = ("llama",)
 ProgressFn = Callable[[int, int], None]
 
 
-
 def is_converted_model(path) -> bool:
     """True when `path` holds a finished conversion by this converter version."""
     path = Path(path)
@@ -156,5 +155,3 @@ def convert_gguf(
         write_json(tmp / "config.json", config)
 
     return write_dir(mlx_path, fill, info)
-
-

@@ -34,7 +34,6 @@ _GLOBAL_TENSORS = {
 _CONFIG_ONLY_TENSORS = {"rope_freqs"}
 
 
-
 def _bits_of(weight: mx.array, scales: mx.array) -> int:
     # packed uint32 columns * 32 bits == in_features * bits; in_features = groups * group size
     return (weight.shape[-1] * 32) // (scales.shape[-1] * GGUF_GROUP_SIZE)
@@ -156,8 +155,6 @@ def llama_config(md: Dict[str, Any], tensors: _Tensors) -> Dict[str, Any]:
     return config
 
 
-
-
 def _mlx_module_path(base: str, n_layers: int) -> Optional[str]:
     if base in _GLOBAL_TENSORS:
         return _GLOBAL_TENSORS[base]
@@ -212,8 +209,15 @@ def _convert_tensor(
     return {k: v.astype(target) for k, v in parts.items()}, None
 
 
-def llama_weights(tensors: _Tensors, config: Dict[str, Any], target, quantize: bool, q_bits: int,
-                  q_group_size: int, progress: Optional[Callable[[int, int], None]] = None):
+def llama_weights(
+    tensors: _Tensors,
+    config: Dict[str, Any],
+    target,
+    quantize: bool,
+    q_bits: int,
+    q_group_size: int,
+    progress: Optional[Callable[[int, int], None]] = None,
+):
     """The model's weights under mlx-lm's names, and the quantization of those kept packed or
     re-quantized: (weights, {module: {bits, group_size}}). target: the dtype (None: "keep")."""
     names = tensors.names()
@@ -238,7 +242,9 @@ def llama_weights(tensors: _Tensors, config: Dict[str, Any], target, quantize: b
             out, q = _convert_tensor(parts, target, dequantized)
             w = out.get("weight")
             if quantize and q is None and w is not None and w.ndim == 2 and w.shape[-1] % q_group_size == 0:
-                out["weight"], out["scales"], out["biases"] = mx.quantize(w, group_size=q_group_size, bits=q_bits)
+                out["weight"], out["scales"], out["biases"] = mx.quantize(
+                    w, group_size=q_group_size, bits=q_bits
+                )
                 q = {"group_size": q_group_size, "bits": q_bits}
             for k, v in out.items():
                 weights[f"{module}.{k}"] = v

@@ -31,8 +31,7 @@ class _TensorInfo:
     __slots__ = ("name", "shape", "qtype", "offset", "nbytes")
 
     def __init__(self, name, shape, qtype, offset, nbytes):
-        self.name, self.shape, self.qtype, self.offset, self.nbytes = (
-            name, shape, qtype, offset, nbytes)
+        self.name, self.shape, self.qtype, self.offset, self.nbytes = (name, shape, qtype, offset, nbytes)
 
     @property
     def type_name(self) -> str:
@@ -67,9 +66,13 @@ def _read_header(path: Path) -> Tuple[Dict[str, Any], List[_TensorInfo]]:
     try:
         size = path.stat().st_size
         reader = gguf.GGUFReader(str(path), "r")
-        metadata = {key: field.contents() for key, field in reader.fields.items() if not key.startswith("GGUF.")}
-        tables = [(t.name, tuple(reversed([int(d) for d in t.shape])), int(t.tensor_type), int(t.data_offset))
-                  for t in reader.tensors]
+        metadata = {
+            key: field.contents() for key, field in reader.fields.items() if not key.startswith("GGUF.")
+        }
+        tables = [
+            (t.name, tuple(reversed([int(d) for d in t.shape])), int(t.tensor_type), int(t.data_offset))
+            for t in reader.tensors
+        ]
     except OSError as e:
         raise MlxSpecError(f"cannot read {path}: {e.strerror or e}") from None
     except (ValueError, TypeError, KeyError, IndexError, OverflowError, UnicodeDecodeError) as e:
@@ -85,9 +88,7 @@ def _read_header(path: Path) -> Tuple[Dict[str, Any], List[_TensorInfo]]:
             raise MlxSpecError(f"corrupt GGUF file {path}: tensor {name} has a partial block")
         info = _TensorInfo(name, shape, qtype, offset, n // block * block_bytes)
         if info.offset + info.nbytes > size:
-            raise MlxSpecError(
-                f"truncated GGUF file (tensor {name} extends past the end): {path}"
-            )
+            raise MlxSpecError(f"truncated GGUF file (tensor {name} extends past the end): {path}")
         infos.append(info)
     return metadata, infos
 
@@ -169,9 +170,7 @@ class _Tensors:
         try:
             values = gguf.quants.dequantize(np.asarray(rows), info.qtype)
         except NotImplementedError:
-            raise MlxSpecError(
-                f"unsupported GGUF tensor type {info.type_name} for {info.name}"
-            ) from None
+            raise MlxSpecError(f"unsupported GGUF tensor type {info.type_name} for {info.name}") from None
         arr = mx.array(np.asarray(values, dtype=np.float32).reshape(shape))
         return arr.astype(mx.bfloat16) if info.qtype == _BF16 else arr
 

@@ -103,9 +103,7 @@ def build_tokenizer(md: Dict[str, Any]):
     specials = [t for t, ty in zip(tokens, types) if ty == _TOKEN_CONTROL]
     user = [t for t, ty in zip(tokens, types) if ty == _TOKEN_USER_DEFINED]
     if specials:
-        tok.add_special_tokens(
-            [AddedToken(t, special=True, normalized=False) for t in specials]
-        )
+        tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
     if user:
         tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in user])
 
@@ -142,8 +140,12 @@ def build_tokenizer(md: Dict[str, Any]):
         tok.post_processor = byte_level
 
     special_map: Dict[str, Any] = {}
-    for key, kind in (("bos_token", "bos"), ("eos_token", "eos"), ("pad_token", "padding"),
-                      ("unk_token", "unknown")):
+    for key, kind in (
+        ("bos_token", "bos"),
+        ("eos_token", "eos"),
+        ("pad_token", "padding"),
+        ("unk_token", "unknown"),
+    ):
         if names[kind] is not None:
             special_map[key] = names[kind]
     extra = [t for t in specials if t not in special_map.values()]
@@ -162,5 +164,3 @@ def build_tokenizer(md: Dict[str, Any]):
     if isinstance(template, str) and template:
         tok_config["chat_template"] = template
     return tok, tok_config, special_map
-
-
