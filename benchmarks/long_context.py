@@ -25,7 +25,6 @@ generated is its longest; 16k needs a model with a longer context (--model).
 
 import argparse
 import importlib.util
-import json
 import re
 import statistics
 import time
@@ -42,6 +41,7 @@ from mlx_spec.drafters import make_drafter
 from mlx_spec.engine import PREFILL_CHUNK, Engine
 from mlx_spec.events import Collector, Step
 from mlx_spec.models.target import load_target
+from report import write_results
 
 SOURCES = ["mlx_lm.generate", "mlx_lm.server", "click.core"]
 QUESTION = "What does the function `{name}` in this file do? Answer in a few sentences."
@@ -210,15 +210,17 @@ def main():
                         f"tau {records[-1]['tau']:.2f}, identical {records[-1]['identical']}",
                         flush=True,
                     )
-    table = summary(records, methods) + "\n\n" + prefill_summary(prefills)
-    print(table)
-    if args.markdown:
-        Path(args.markdown).write_text(
-            table + f"\n\n{len(args.sources.split(','))} files x 2 tasks per context ({args.sources}), "
-            f"{args.max_tokens} tokens, {args.repeats} repeats, greedy; weights {target.path}\n"
-        )
-    if args.json:
-        Path(args.json).write_text(json.dumps({"runs": records, "prefills": prefills}, indent=1))
+    note = (
+        f"{len(args.sources.split(','))} files x 2 tasks per context ({args.sources}), {args.max_tokens} "
+        f"tokens, {args.repeats} repeats, greedy; weights {target.path}"
+    )
+    write_results(
+        summary(records, methods) + "\n\n" + prefill_summary(prefills),
+        note,
+        {"runs": records, "prefills": prefills},
+        args.markdown,
+        args.json,
+    )
 
 
 def summary(records, methods) -> str:

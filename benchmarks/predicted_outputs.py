@@ -27,6 +27,7 @@ from mlx_spec.drafters import make_drafter
 from mlx_spec.engine import Engine, GenerationOptions
 from mlx_spec.events import Collector
 from mlx_spec.models.target import load_target
+from report import write_results
 
 WORKLOAD = Path(__file__).resolve().parent / "workloads" / "edit.jsonl"
 METHODS = {
@@ -103,13 +104,11 @@ def main():
             f"({', '.join(f'{x:.2f}' for x in speedups)}) | {statistics.median(taus[name]):.2f} | "
             f"{identical[name][0]}/{identical[name][1]} |"
         )
-    table = "\n".join(lines)
-    print(table)
-    if args.markdown:
-        Path(args.markdown).write_text(
-            table + f"\n\n{len(items)} prompts (benchmarks/workloads/edit.jsonl, first "
-            f"turns), {args.max_tokens} tokens, {args.repeats} repeats, greedy\n"
-        )
+    note = (
+        f"{len(items)} prompts (benchmarks/workloads/edit.jsonl, first turns), {args.max_tokens} tokens, "
+        f"{args.repeats} repeats, greedy"
+    )
+    write_results("\n".join(lines), note, None, args.markdown)
 
 
 if __name__ == "__main__":

@@ -33,26 +33,17 @@ import mlx_spec  # noqa: E402,F401  (OpenBLAS before mlx.core)
 from long_context import QUESTION, cut, source_text  # noqa: E402
 from mlx_spec.convert.default import default_model_path  # noqa: E402
 from mlx_spec.models.target import load_target  # noqa: E402
-from serve_load import MLX_SPEC, ServerProcess, stream_chat  # noqa: E402
+from report import write_results  # noqa: E402
+from serve_load import mlx_spec_server, stream_chat  # noqa: E402
 
 
 def server(model_dir, draft, cache_dir):
-    process = ServerProcess(
-        f"mlx-spec serve ({cache_dir or 'no disk cache'})",
-        [
-            str(MLX_SPEC),
-            "serve",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            "0",
-            "--model",
-            str(model_dir),
-            "--draft",
-            draft,
-            "--prompt-cache-dir",
-            cache_dir or "off",
-        ],
+    process = mlx_spec_server(
+        model_dir,
+        draft,
+        "--prompt-cache-dir",
+        cache_dir or "off",
+        name=f"mlx-spec serve ({cache_dir or 'no disk cache'})",
     )
     process.wait_ready(300)
     return process
@@ -144,15 +135,8 @@ def main():
             f"{restart / warm:.2f} | {cold / restart:.1f} | {rs[0]['warm_cached']}, {rs[0]['restart_cached']} "
             f"| {sum(r['identical'] for r in rs)}/{len(rs)} |"
         )
-    table = "\n".join(lines)
-    print(table)
-    if args.markdown:
-        Path(args.markdown).write_text(
-            table + f"\n\nmedians of {args.repeats} repeats; --draft {args.draft}; "
-            f"{args.max_tokens} tokens per turn; weights {model_dir}\n"
-        )
-    if args.json:
-        Path(args.json).write_text(json.dumps(records, indent=1))
+    note = f"medians of {args.repeats} repeats; --draft {args.draft}; {args.max_tokens} tokens per turn; weights {model_dir}"
+    write_results("\n".join(lines), note, records, args.markdown, args.json)
 
 
 if __name__ == "__main__":

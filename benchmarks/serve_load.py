@@ -143,44 +143,45 @@ class ServerProcess:
 LOGPROBS = "+logprobs"  # a config's requests ask for logprobs (and 5 alternatives)
 
 
-def start_server(config, model_dir, args):
-    config = config.removesuffix(LOGPROBS)
-    if config == "mlx_lm":
-        port = free_port()
-        argv = [
-            sys.executable,
-            "-c",
-            MLX_LM,
-            "--model",
-            str(model_dir),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--max-tokens",
-            str(args.max_tokens),
-        ]
-        return ServerProcess("mlx_lm.server", argv, port)
-    method, _, max_batch = config.partition("/")
-    # no prompt cache on disk: mlx_lm.server has none, and --cold means a server that holds nothing
+def mlx_lm_server(model_dir, *options) -> ServerProcess:
+    """mlx_lm.server on loopback (behind OpenBLAS), on a free port."""
+    port = free_port()
     argv = [
-        str(MLX_SPEC),
-        "serve",
+        sys.executable,
+        "-c",
+        MLX_LM,
+        "--model",
+        str(model_dir),
         "--host",
         "127.0.0.1",
         "--port",
-        "0",
-        "--model",
-        str(model_dir),
-        "--draft",
+        str(port),
+    ]
+    return ServerProcess("mlx_lm.server", argv + list(options), port)
+
+
+def mlx_spec_server(model_dir, draft, *options, name=None) -> ServerProcess:
+    """`mlx-spec serve --draft draft` on loopback, on the port it picks (its ready line says it)."""
+    argv = [str(MLX_SPEC), "serve", "--host", "127.0.0.1", "--port", "0", "--model", str(model_dir)]
+    return ServerProcess(name or f"mlx-spec serve --draft {draft}", argv + ["--draft", draft, *options])
+
+
+def start_server(config, model_dir, args):
+    config = config.removesuffix(LOGPROBS)
+    if config == "mlx_lm":
+        return mlx_lm_server(model_dir, "--max-tokens", str(args.max_tokens))
+    method, _, max_batch = config.partition("/")
+    # no prompt cache on disk: mlx_lm.server has none, and --cold means a server that holds nothing
+    batch = ["--max-batch", max_batch] if max_batch else []
+    return mlx_spec_server(
+        model_dir,
         method,
         "--max-tokens",
         str(args.max_tokens),
         "--prompt-cache-dir",
         "off",
-    ] + (["--max-batch", max_batch] if max_batch else [])
-    return ServerProcess(
-        f"mlx-spec serve --draft {method}" + (f" --max-batch {max_batch}" if max_batch else ""), argv
+        *batch,
+        name=f"mlx-spec serve --draft {method}" + (f" --max-batch {max_batch}" if max_batch else ""),
     )
 
 
