@@ -251,5 +251,5 @@ def drafter_used(method: str, target, given):
 
     if given:
         return draft_model_path(method, given)
-    shipped = shipped_drafter("dflash" if method == "ddtree" else method, target.path)
+    shipped = DRAFTERS[method].shipped and shipped_drafter(DRAFTERS[method].shipped, target.path)
     return str(shipped) if shipped and "draft_model" in DRAFTERS[method].options.names() else None

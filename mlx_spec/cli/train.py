@@ -4,6 +4,7 @@ from pathlib import Path
 
 import click
 
+from ..drafters import trainers
 from ..models.checkpoint import FLOAT_DTYPES
 from .common import echo_err, reports_errors
 
@@ -195,16 +196,14 @@ def _int_list(ctx, param, value):
         raise click.BadParameter(f"expected comma-separated integers, got {value!r}") from None
 
 
-KINDS = ("eagle", "dflash", "mtp", "medusa")
+KINDS = tuple(trainers())  # the sources with a trainer (drafters.DRAFTERS)
 
 
 def _options_class(kind: str):
-    from ..train.dflash import DFlashOptions
-    from ..train.eagle import EagleOptions
-    from ..train.medusa import MedusaOptions
-    from ..train.mtp import MTPOptions
+    """The options class of the trainer of `kind`: its module's OPTIONS."""
+    import importlib
 
-    return {"eagle": EagleOptions, "dflash": DFlashOptions, "mtp": MTPOptions, "medusa": MedusaOptions}[kind]
+    return importlib.import_module(f"mlx_spec.train.{trainers()[kind]}").OPTIONS
 
 
 def _default(name: str, kinds=KINDS) -> str:

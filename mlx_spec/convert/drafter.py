@@ -14,6 +14,7 @@ from typing import Callable, Optional
 
 import mlx.core as mx
 
+from ..drafters import loaders
 from ..errors import MlxSpecError
 from ..models.checkpoint import (
     DRAFT_VOCABULARY,
@@ -59,8 +60,8 @@ def convert_drafter(
     mlx_path = check_output(mlx_path, overwrite)
     config = read_config(path, "drafter checkpoint")
     kind = checkpoint_kind(config)
-    if kind not in DRAFTER_KINDS:
-        what = KINDS[kind][0] if kind else "no drafter mlx-spec knows"
+    if kind not in loaders():
+        what = KINDS[kind] if kind else "no drafter mlx-spec knows"
         hint = "; convert a model with --hf-path" if kind == "model" else ""
         raise MlxSpecError(
             f"{path} holds {what}: --drafter converts DFlash, EAGLE-3 and Medusa checkpoints{hint}"
@@ -97,26 +98,5 @@ def convert_drafter(
     return write_dir(mlx_path, fill, info)
 
 
-def _load_dflash(path, target):
-    from ..models.dflash import load_dflash
-
-    return load_dflash(path, target)
-
-
-def _load_eagle3(path, target):
-    from ..models.eagle3 import load_eagle3
-
-    return load_eagle3(path, target)
-
-
-def _load_medusa(path, target):
-    from ..models.medusa import load_medusa
-
-    return load_medusa(path, target)
-
-
-DRAFTER_KINDS = {"dflash": _load_dflash, "eagle": _load_eagle3, "medusa": _load_medusa}
-
-
 def load_drafter(kind: str, path, target):
-    return DRAFTER_KINDS[kind](path, target)
+    return loaders()[kind](path, target)

@@ -2,14 +2,17 @@
 
 Each entry carries everything about its source: the factory (the target and the source's typed
 options -> a Drafter, or None for plain decoding), the options it reads with their defaults
-(the CLI's help reads them), and the most drafts per step when --num-draft-tokens is not given
-(the policy verifies fewer when they do not pay)."""
+(the CLI's help reads them), the most drafts per step when --num-draft-tokens is not given
+(the policy verifies fewer when they do not pay), and for a learned source the kind of
+checkpoint it reads, its loader (convert --drafter), the drafter shipped for the default model
+and its trainer; what other parts list per source (the kinds a checkpoint may be, the train
+commands, the shipped drafters) is read from here."""
 
 from dataclasses import dataclass, fields
 from typing import Callable, Optional, Type, Union
 
 from ..errors import MlxSpecError
-from ..models.checkpoint import check_kind
+from ..models.checkpoint import KINDS, checkpoint_kind, read_config
 
 
 @dataclass(frozen=True)
@@ -125,16 +128,17 @@ def _draft_model(target, options: CheckpointOptions):
     return DraftModelDrafter(draft, target.vocab_size)
 
 
-def _drafter_path(method: str, target, options: CheckpointOptions, what: str, shipped: str = None):
-    """--draft-model, else the drafter shipped for the default model (the `shipped` one)."""
+def _drafter_path(method: str, target, options: CheckpointOptions, what: str):
+    """--draft-model, else the drafter shipped for the default model (the source's `shipped`)."""
     from ..models.default import SHIPPED_DRAFTERS, shipped_drafter
 
-    path = options.draft_model or shipped_drafter(shipped or method, target.path)
+    shipped = DRAFTERS[method].shipped
+    path = options.draft_model or shipped_drafter(shipped, target.path)
     if not path:
         raise MlxSpecError(
             f"--draft {method} needs a drafter: --draft-model PATH (Python: draft_model=PATH), "
             f"{what}; one ships for the default model SmolLM2-135M-Instruct only: "
-            f"{SHIPPED_DRAFTERS / (shipped or method)}"
+            f"{SHIPPED_DRAFTERS / shipped}"
         )
     check_kind(path, method)
     return path
@@ -152,9 +156,7 @@ def _ddtree(target, options: DDTreeOptions):
     from ..models.dflash import load_dflash
     from .ddtree import DDTreeDrafter
 
-    model = load_dflash(
-        _drafter_path("ddtree", target, options, "a DFlash drafter directory", "dflash"), target
-    )
+    model = load_dflash(_drafter_path("ddtree", target, options, "a DFlash drafter directory"), target)
     return DDTreeDrafter(target, model, budget=options.tree_budget, topk=options.tree_topk)
 
 
@@ -195,6 +197,24 @@ def _mtp(target, options: CheckpointOptions):
     return EagleDrafter(load_mtp(find_mtp(target, options.draft_model), target), target.vocab_size)
 
 
+def _load_dflash(path, target):
+    from ..models.dflash import load_dflash
+
+    return load_dflash(path, target)
+
+
+def _load_eagle3(path, target):
+    from ..models.eagle3 import load_eagle3
+
+    return load_eagle3(path, target)
+
+
+def _load_medusa(path, target):
+    from ..models.medusa import load_medusa
+
+    return load_medusa(path, target)
+
+
 @dataclass(frozen=True)
 class Source:
     make: Callable
@@ -202,6 +222,12 @@ class Source:
     summary: str
     options: Type[SourceOptions] = SourceOptions
     stops_early: bool = False  # drafts one position at a time, so --stop-early can stop it
+    checkpoint: Optional[str] = None  # the kind of checkpoint its --draft-model is (models.checkpoint.KINDS)
+    load: Optional[Callable] = None  # (directory, target) -> its model, checked against the target
+    shipped: Optional[str] = (
+        None  # the drafter shipped for the default model it reads (mlx_spec/shipped/NAME)
+    )
+    trainer: Optional[str] = None  # its trainer, the module mlx_spec.train.NAME (`mlx-spec train NAME`)
 
 
 # Lengths: lookup's and the learned drafters' bound what the policy may verify; a draft model
@@ -222,18 +248,58 @@ DRAFTERS = {
         "a small model with the same tokenizer (--draft-model)",
         CheckpointOptions,
         stops_early=True,
+        checkpoint="model",
     ),
-    "dflash": Source(_dflash, 8, "DFlash block drafter", CheckpointOptions),
-    "ddtree": Source(_ddtree, 8, "a tree from one DFlash block's distributions", DDTreeOptions),
-    "eagle": Source(_eagle, 4, "EAGLE-3 draft layer", EagleOptions, stops_early=True),
+    "dflash": Source(
+        _dflash,
+        8,
+        "DFlash block drafter",
+        CheckpointOptions,
+        checkpoint="dflash",
+        load=_load_dflash,
+        shipped="dflash",
+        trainer="dflash",
+    ),
+    "ddtree": Source(
+        _ddtree,
+        8,
+        "a tree from one DFlash block's distributions",
+        DDTreeOptions,
+        checkpoint="dflash",
+        load=_load_dflash,
+        shipped="dflash",
+    ),
+    "eagle": Source(
+        _eagle,
+        4,
+        "EAGLE-3 draft layer",
+        EagleOptions,
+        stops_early=True,
+        checkpoint="eagle",
+        load=_load_eagle3,
+        shipped="eagle",
+        trainer="eagle",
+    ),
     "layerskip": Source(_layerskip, 4, "the target's first --exit-layer layers draft", LayerSkipOptions),
-    "medusa": Source(_medusa, 4, "Medusa heads on the target's last hidden state", MedusaOptions),
+    "medusa": Source(
+        _medusa,
+        4,
+        "Medusa heads on the target's last hidden state",
+        MedusaOptions,
+        checkpoint="medusa",
+        load=_load_medusa,
+        shipped="medusa",
+        trainer="medusa",
+    ),
     "mtp": Source(
         _mtp,
         3,
         "the target's multi-token-prediction module (DeepSeek, GLM, MiMo, Qwen3-Next)",
         CheckpointOptions,
         stops_early=True,
+        checkpoint="model",  # its MTP weights, in a model's directory
+        shipped="mtp",
+        trainer="mtp",
     ),
 }
 DRAFTERS.update(
@@ -248,6 +314,27 @@ DRAFTERS.update(
         for learned in ("eagle", "mtp", "dflash")
     }
 )
+
+
+def check_kind(path, method: str) -> None:
+    """A one-line error when the checkpoint at `path` is not of the kind --draft `method` reads,
+    naming what it is and the --draft values that read it."""
+    kind = checkpoint_kind(read_config(path, "--draft-model"))
+    if kind is None or DRAFTERS[method].checkpoint == kind:
+        return
+    methods = [name for name, source in DRAFTERS.items() if source.checkpoint == kind]
+    fits = f"use --draft {' or --draft '.join(methods)}" if methods else "no --draft source reads it yet"
+    raise MlxSpecError(f"{path} is {KINDS[kind]}, not what --draft {method} needs: {fits}")
+
+
+def loaders() -> dict:
+    """checkpoint kind -> its loader, of the kinds `convert --drafter` converts."""
+    return {source.checkpoint: source.load for source in DRAFTERS.values() if source.load}
+
+
+def trainers() -> dict:
+    """source -> its trainer module's name (`mlx-spec train NAME`)."""
+    return {name: source.trainer for name, source in DRAFTERS.items() if source.trainer}
 
 
 def check_method(method: str) -> str:

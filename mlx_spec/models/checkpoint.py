@@ -38,12 +38,13 @@ def read_config(path, what: str) -> dict:
     return config
 
 
-# What config.json says a checkpoint is, and the --draft values that read it.
+# What config.json says a checkpoint is (checkpoint_kind), in words; the --draft values that
+# read each kind are the registry's (drafters.DRAFTERS, Source.checkpoint).
 KINDS = {
-    "dflash": ("a DFlash drafter", ("dflash", "ddtree")),
-    "eagle": ("an EAGLE-3 drafter", ("eagle",)),
-    "medusa": ("Medusa heads", ("medusa",)),
-    "model": ("a language model", ("model", "mtp")),  # mtp: its MTP weights
+    "dflash": "a DFlash drafter",
+    "eagle": "an EAGLE-3 drafter",
+    "medusa": "Medusa heads",
+    "model": "a language model",
 }
 
 
@@ -51,7 +52,11 @@ def checkpoint_kind(config: dict):
     """'dflash', 'eagle', 'medusa' or 'model' (a whole language model), from config.json;
     None when it says none of these."""
     architectures = [str(a) for a in config.get("architectures") or []]
-    if "DFlashDraftModel" in architectures or "dflash_config" in config:
+    if (
+        "DFlashDraftModel" in architectures
+        or "dflash_config" in config
+        or config.get("speculators_model_type") == "dflash"  # the speculators format's DFlash
+    ):
         return "dflash"
     if (
         config.get("speculators_model_type")
@@ -65,17 +70,6 @@ def checkpoint_kind(config: dict):
     if "model_type" in config:
         return "model"
     return None
-
-
-def check_kind(path, method: str) -> None:
-    """A one-line error when the checkpoint at `path` is not of a kind --draft `method` reads,
-    naming what it is and the --draft value that fits it."""
-    kind = checkpoint_kind(read_config(path, "--draft-model"))
-    if kind is None or method in KINDS[kind][1]:
-        return
-    what, methods = KINDS[kind]
-    fits = f"use --draft {' or --draft '.join(methods)}" if methods else "no --draft source reads it yet"
-    raise MlxSpecError(f"{path} is {what}, not what --draft {method} needs: {fits}")
 
 
 def check_not_pickled(path) -> None:

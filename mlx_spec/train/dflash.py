@@ -56,6 +56,9 @@ class DFlashOptions(LoopOptions):
     mask_token_id: Optional[int] = None  # None: see default_mask_token_id
 
 
+OPTIONS = DFlashOptions  # what `mlx-spec train dflash` reads (cli/train.py)
+
+
 # --- pieces (unit-tested) ----------------------------------------------------------------------
 
 

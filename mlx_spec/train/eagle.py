@@ -58,6 +58,9 @@ class EagleOptions(LoopOptions):
     labels: str = "hard"  # hard: the data's next tokens; soft: the target's distribution there
 
 
+OPTIONS = EagleOptions  # what `mlx-spec train eagle` reads (cli/train.py)
+
+
 # --- the model --------------------------------------------------------------------------------
 
 

@@ -42,6 +42,9 @@ class MedusaOptions(LoopOptions):
     head_decay: float = 0.8  # weight of head i's loss: head_decay ** i
 
 
+OPTIONS = MedusaOptions  # what `mlx-spec train medusa` reads (cli/train.py)
+
+
 def new_medusa_model(target, heads: int, layers: int) -> Model:
     model = Model(ModelArgs(heads, layers, target.hidden_size, target.vocab_size, shared_head=True), target)
     for blocks in model.blocks:

@@ -62,6 +62,9 @@ class MTPOptions(LoopOptions):
     labels: str = "hard"  # hard: the data's next tokens; soft: the target's distribution there
 
 
+OPTIONS = MTPOptions  # what `mlx-spec train mtp` reads (cli/train.py)
+
+
 def new_mtp_model(target, seed: int = 0) -> Model:
     layer = target.layers[-1]
     needed = ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm")
