@@ -379,15 +379,15 @@ class Engine:
         path = [node - 1 for node in nodes[1:]]
         self.cached_tokens = context + [drafts[i] for i in path]
         verdict = self._kept(context, drafts, path, next_token, taps, mx.array(nodes))
-        tokens = mx.array([drafts[i] for i in path] + [next_token], mx.int32)
         if self.options.logprobs is not None:
-            verdict.logprobs = token_logprobs(
-                LogprobRows(
-                    logits[mx.array(nodes)], tokens, self.options.logprobs, self.options.distribution
-                ),
-                len(nodes),
-            )
+            tokens = mx.array([drafts[i] for i in path] + [next_token])
+            verdict.logprobs = token_logprobs(self.logprob_rows(logits[mx.array(nodes)], tokens), len(nodes))
         return verdict
+
+    def logprob_rows(self, logits: mx.array, tokens: mx.array) -> LogprobRows:
+        """The logits [n, V] and the token each row commits, with what this generation asks
+        (how many alternatives, the whole distribution), lazy."""
+        return LogprobRows(logits, tokens.astype(mx.int32), self.options.logprobs, self.options.distribution)
 
     def processed(self, logits: mx.array, context: List[int], drafts: mx.array, tree: Optional[Tree] = None):
         """The logits [n, V] of a pass over [last token, drafts] with this generation's logits
@@ -411,11 +411,11 @@ class Engine:
         """Where the generation asks for logprobs: a chain's (processed) logits and the token
         each row would commit (the draft before the verdict's n, the target's token at n), lazy;
         token_logprobs reads the first n + 1 rows once the verdict is known."""
-        if self.options.logprobs is None:
+        if self.options.logprobs is None:  # nothing built where nothing is asked
             return None
         rows = mx.arange(drafts.shape[0] + 1)
         tokens = mx.where(rows == decision[0], decision[1], mx.concatenate([drafts, decision[1:2]]))
-        return LogprobRows(logits, tokens, self.options.logprobs, self.options.distribution)
+        return self.logprob_rows(logits, tokens)
 
     def chain_pass(self, inputs: mx.array, start: int):
         """The target's pass over inputs [last token, drafts...] at positions start..: (logits,
