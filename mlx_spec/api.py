@@ -161,6 +161,7 @@ class GenerationResponse:
     steps: int  # verification steps so far
     tokens_per_step: float
     acceptance_rate: float
+    plain_steps: int  # steps so far that verified no draft
     finish_reason: Optional[str] = None
     stats: Optional[Stats] = None
     # Where the call asked for them (logprobs=True or top_logprobs=k): mlx-lm's `logprobs`, the
@@ -223,6 +224,7 @@ class Responses:
             steps=stats.steps,
             tokens_per_step=stats.tokens_per_step,
             acceptance_rate=stats.acceptance_rate,
+            plain_steps=stats.plain_steps,
             **(
                 dict(logprobs=logprobs.distribution, logprob=logprobs.logprob, top_logprobs=logprobs.top)
                 if logprobs is not None

@@ -281,6 +281,22 @@ def test_chat_in_a_terminal():
     assert len(re.findall(rb"prompt: \d+ tokens", term.seen)) == 5
 
 
+def test_chat_shows_drafted_tokens_in_green():
+    """--show-drafts: the tokens that came from accepted drafts in green (as the chat page
+    colours them); lookup's drafts are accepted on a sentence the reply repeats."""
+    from terminal import Terminal
+
+    args = ["chat", "-m", "24", "--draft", "lookup", "--show-drafts"]
+    term = Terminal([sys.executable, "-m", "mlx_spec.cli", *args])
+    term.expect(">> ")
+    term.type("Repeat this sentence twice: the quick brown fox jumps over the lazy dog.\r")
+    shown = term.expect(r"(.*)\r?\nprompt: \d+ tokens").group(1)
+    assert b"\x1b[32m" in shown  # green
+    term.expect(">> ")
+    term.type("/quit\r")
+    assert term.wait() == 0
+
+
 def test_chat_refuses_a_reply_longer_than_the_context_at_start():
     code, out, err = cli(["chat", "-m", "9000"], input="Hello\n")
     assert_one_line_error(code, err, "--max-tokens 9000 leaves no room", "8192")

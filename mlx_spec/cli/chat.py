@@ -86,8 +86,9 @@ class CtrlC:
     help="Most tokens per reply (fewer when the conversation nears the context limit).",
 )
 @click.option("--system", default=None, help="System message.")
+@click.option("--show-drafts", is_flag=True, help="Print the tokens that came from accepted drafts in green.")
 @reports_errors
-def chat(max_tokens, system, **options):
+def chat(max_tokens, system, show_drafts, **options):
     """Chat in the terminal, with line editing; the cache is kept across turns."""
     loaded = load_engine(options)
     engine = loaded.engine
@@ -153,7 +154,10 @@ def chat(max_tokens, system, **options):
         try:
             with CtrlC() as ctrl_c:
                 stream(
-                    engine.generate(tokens, max_tokens=room), collected=collected, stop=lambda: ctrl_c.pressed
+                    engine.generate(tokens, max_tokens=room),
+                    collected=collected,
+                    stop=lambda: ctrl_c.pressed,
+                    show_drafts=show_drafts,
                 )
             reply, stats = collected.text, collected.stats
             click.echo()

@@ -128,10 +128,13 @@ def echo_err(text: str, **kwargs) -> None:
     click.echo(text, err=True, **kwargs)
 
 
-def stream(events, out=sys.stdout, collected: Optional[Collector] = None, stop=None) -> Collector:
+def stream(
+    events, out=sys.stdout, collected: Optional[Collector] = None, stop=None, show_drafts: bool = False
+) -> Collector:
     """Print text as it is committed; the generation collected (into `collected` if given: what
     was printed survives an interrupted stream). stop() True ends the generation at the next
-    event (its stats then say "interrupted")."""
+    event (its stats then say "interrupted"). show_drafts: the text of tokens that came from
+    accepted drafts in green (the chat page's colouring)."""
     collected = Collector() if collected is None else collected
     bar = None  # while a long prompt prefills (Prefilling events): a progress bar on stderr
     try:
@@ -150,7 +153,12 @@ def stream(events, out=sys.stdout, collected: Optional[Collector] = None, stop=N
                 bar = None
             text = event.text if isinstance(event, (Token, Text)) else ""
             if text and out is not None:
-                out.write(text)
+                if show_drafts and isinstance(event, Token) and event.from_draft:
+                    click.echo(
+                        click.style(text, fg="green"), file=out, nl=False
+                    )  # plain where out is no terminal
+                else:
+                    out.write(text)
                 out.flush()
             if stop is not None and stop():
                 events.close()

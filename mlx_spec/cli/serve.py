@@ -112,6 +112,7 @@ def _interrupt(signum, frame):
     default="",
     help="Comma-separated origins whose browser pages may call the API (CORS), or '*'; default none.",
 )
+@click.option("--no-ui", is_flag=True, help="Serve no chat page at GET / (the API only).")
 @click.option(
     "--chat-template-args",
     default=None,
@@ -134,6 +135,7 @@ def serve(
     max_queued,
     allowed_origins,
     chat_template_args,
+    no_ui,
     **options,
 ):
     """Serve the model over the OpenAI API: POST /v1/chat/completions and /v1/completions
@@ -182,13 +184,16 @@ def serve(
             log=echo_err,
             prompt_cache_dir=None if prompt_cache_dir == "off" else prompt_cache_dir,
             prompt_cache_disk_bytes=prompt_cache_disk_bytes,
+            ui=not no_ui,
         )
     except OSError as e:
         raise click.ClickException(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
     bound_host, bound_port = server.server_address[:2]
     echo_err(
         f"mlx-spec serve: {name} ({draft_label(server.loaded)}) on http://{bound_host}:{bound_port}/v1"
-        f"{' (API key required)' if api_key else ''}; Ctrl-C stops"
+        f"{' (API key required)' if api_key else ''}"
+        + ("" if no_ui else f"; chat page http://{bound_host}:{bound_port}/")
+        + "; Ctrl-C stops"
     )
     signal.signal(signal.SIGTERM, _interrupt)
     try:

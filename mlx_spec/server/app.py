@@ -49,6 +49,8 @@ from .output import (
 from .protocol import Request, RequestError, parse
 from .sessions import SessionCache
 
+PAGE = Path(__file__).with_name("page.html")  # GET /: the chat page (one file: HTML, CSS, JS)
+
 POLL_SECONDS = 0.05
 KEEP_ALIVE_SECONDS = 1.0
 RETRY_AFTER_SECONDS = 1
@@ -309,6 +311,7 @@ class Server(ThreadingHTTPServer):
         prompt_cache_dir: Optional[str] = None,
         prompt_cache_disk_bytes: int = DEFAULT_DISK_BYTES,
         log=None,
+        ui: bool = True,
     ):
         """load: () -> api.Loaded (the engine and the source it runs), called on the worker
         thread (errors raised here, before serving).
@@ -324,6 +327,7 @@ class Server(ThreadingHTTPServer):
         # with a fixed model name work); replies name the served one.
         self.model_name = model_name
         self.max_tokens, self.api_key, self.max_body_bytes = max_tokens, api_key, max_body_bytes
+        self.ui = ui  # GET / serves the chat page
         self.allowed_origins = set(allowed_origins)  # CORS: browser pages of these origins ("*": any)
         self.chat_template_args = dict(chat_template_args or {})
         self.log = log or (lambda line: print(line, file=sys.stderr, flush=True))
@@ -494,7 +498,20 @@ class Handler(BaseHTTPRequestHandler):
         self._log(204)
 
     def do_GET(self):
-        self._route({"/health": self._health, "/v1/models": self._models})
+        routes = {"/health": self._health, "/v1/models": self._models}
+        if self.server.ui:
+            routes[""] = self._page  # GET /: the chat page
+        self._route(routes)
+
+    def _page(self) -> None:
+        body = PAGE.read_bytes()
+        self.send_response(200)
+        self.send_header("Content-Type", "text/html; charset=utf-8")
+        self.send_header("Content-Length", str(len(body)))
+        self.send_header("Cache-Control", "no-cache")
+        self.end_headers()
+        self.wfile.write(body)
+        self._log(200)
 
     def do_POST(self):
         self._route(
@@ -516,7 +533,7 @@ class Handler(BaseHTTPRequestHandler):
         try:
             if path not in routes:
                 raise RequestError(404, f"no route {self.command} {path}", code="not_found")
-            if path != "/health":
+            if path not in ("/health", ""):  # the page asks for the key itself, then sends it
                 self._authorize()
             routes[path]()
         except RequestError as e:
@@ -745,6 +762,7 @@ class Handler(BaseHTTPRequestHandler):
         if reply.chat:
             self._sse(reply.first_chunk())
         splitter, tokens, called, offset = self._splitter(job), [], False, 0
+        unsent = []  # from_draft of the tokens whose text has not gone out yet (draft_marks)
         try:
             for event in self._events(job, keep_alive=self._keep_alive):
                 if isinstance(event, RequestError):
@@ -753,12 +771,16 @@ class Handler(BaseHTTPRequestHandler):
                     break
                 if event.token is not None:
                     tokens.append(event.token)
+                    unsent.append(event.from_draft)
                 delta = (
                     splitter.add(event.text, event.finish_reason) if splitter else Delta(content=event.text)
                 )
                 called = called or bool(delta.tool_calls)
                 finish = _finish_reason(event.finish_reason, called) if event.finish_reason else None
-                for chunk in reply.chunks(delta, finish, self._logprobs(job, event), offset):
+                marks = None
+                if job.request.draft_marks and (delta.content or delta.reasoning):
+                    marks, unsent = draft_marks(unsent, event), []
+                for chunk in reply.chunks(delta, finish, self._logprobs(job, event), offset, marks):
                     self._sse(chunk)
                 offset += len(delta.content)
                 if event.finish_reason is not None:
@@ -850,3 +872,16 @@ def _summary(stats) -> str:
         f"prompt {stats.prompt_tokens} ({stats.prompt_cached} cached), {count(stats.generated_tokens, 'token')}, "
         f"{stats.tokens_per_step:.2f} tokens/step, {stats.tokens_per_second:.1f} tok/s"
     )
+
+
+def draft_marks(from_draft: List[bool], response) -> dict:
+    """A stream chunk's draft_marks: of its tokens, how many came from accepted drafts, and the
+    speculation's figures so far (what the chat page shows)."""
+    return {
+        "tokens": len(from_draft),
+        "drafted": sum(from_draft),
+        "steps": response.steps,
+        "plain_steps": response.plain_steps,
+        "tokens_per_step": round(response.tokens_per_step, 3),
+        "acceptance": round(response.acceptance_rate, 3),
+    }

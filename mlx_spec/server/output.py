@@ -182,9 +182,11 @@ class Reply:
         finish_reason: Optional[str] = None,
         logprobs: Optional[List[dict]] = None,
         offset: int = 0,
+        marks: Optional[dict] = None,
     ) -> List[dict]:
-        """The stream chunks of a delta: its reasoning and content in one, then each tool call as
-        OpenAI streams them (its id and name, then its arguments)."""
+        """The stream chunks of a delta: its reasoning and content in one (with its draft_marks
+        where the request asked), then each tool call as OpenAI streams them (its id and name,
+        then its arguments)."""
         if not self.chat:
             if not (delta.content or finish_reason or logprobs):
                 return []
@@ -208,6 +210,8 @@ class Reply:
                 message["reasoning"] = delta.reasoning
             if delta.content:
                 message["content"] = delta.content
+            if marks:
+                message["draft_marks"] = marks
             chunks.append(self._chunk(message, None if delta.tool_calls else finish_reason, logprobs))
         for i, call in enumerate(delta.tool_calls):
             head = {

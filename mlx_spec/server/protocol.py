@@ -79,7 +79,16 @@ COMMON = {
     "frequency_context_size",
     "prediction",
 }
-CHAT = COMMON | {"messages", "max_completion_tokens", "tools", "tool_choice", "chat_template_kwargs"}
+# draft_marks (an mlx-spec extension): a streamed chunk's delta says which of its tokens came
+# from accepted drafts, with the speculation's figures so far (the chat page colours them).
+CHAT = COMMON | {
+    "messages",
+    "max_completion_tokens",
+    "tools",
+    "tool_choice",
+    "chat_template_kwargs",
+    "draft_marks",
+}
 COMPLETION = COMMON | {"prompt"}
 ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_TOP_LOGPROBS = 20
@@ -106,6 +115,7 @@ class Request:
     logprobs: Optional[int] = None  # None: none; else this many alternatives
     penalties: Dict[str, Any] = field(default_factory=dict)  # mlx-lm's make_logits_processors'
     prediction: Optional[str] = None  # Predicted Outputs: the reply expected
+    draft_marks: bool = False  # stream chunks carry which tokens were drafted (an mlx-spec extension)
 
 
 def quoted(value) -> str:
@@ -379,6 +389,9 @@ def parse(body, chat: bool) -> Request:
     if not isinstance(kwargs, dict):
         raise RequestError(400, "'chat_template_kwargs' must be an object", "chat_template_kwargs")
     tools, tool_choice = _tool_choice(body, _tools(body)) if chat else (None, "auto")
+    draft_marks = body.get("draft_marks", False)
+    if not isinstance(draft_marks, bool):
+        raise RequestError(400, "'draft_marks' must be true or false", "draft_marks")
     return Request(
         chat=chat,
         stream=stream,
@@ -396,4 +409,5 @@ def parse(body, chat: bool) -> Request:
         logprobs=_logprobs(body, chat),
         penalties=_penalties(body),
         prediction=_prediction(body),
+        draft_marks=draft_marks,
     )
