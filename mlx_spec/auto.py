@@ -15,7 +15,6 @@ before the first token, in this order:
 The choice and why it was made come back as a `Choice`, for the banners and --json."""
 
 import json
-import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -94,15 +93,11 @@ def declared_target(config: dict) -> Optional[str]:
     return verifier.get("name_or_path") if isinstance(verifier, dict) else None
 
 
-def offline() -> bool:
-    return os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
-
-
 def _fetch(
     entry: Published, download: bool, confirm: Optional[Callable[[str], bool]], note
 ) -> Optional[Path]:
     """The drafter's directory: from the hub cache, or downloaded where allowed; None otherwise."""
-    from .hub import cached, resolve
+    from .hub import cached, offline, resolve
 
     path = cached(entry.repo)
     if path is not None:

@@ -29,6 +29,11 @@ def is_repo_id(name: str) -> bool:
     return bool(_REPO_ID.fullmatch(name)) and ".." not in name
 
 
+def offline() -> bool:
+    """Whether HF_HUB_OFFLINE forbids reaching the hub."""
+    return os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
+
+
 def resolve(name, revision: Optional[str] = None, what: str = "model") -> Path:
     """The local directory of `name`: an existing path as it is, else a hub repo id downloaded
     into (or, offline, read from) the hub cache. `what` names it in errors."""
@@ -64,8 +69,7 @@ def resolve(name, revision: Optional[str] = None, what: str = "model") -> Path:
     except RevisionNotFoundError:
         raise MlxSpecError(f"{what} {name} has no revision {revision}") from None
     except LocalEntryNotFoundError:
-        offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
-        why = "HF_HUB_OFFLINE is set" if offline else "the hub could not be reached"
+        why = "HF_HUB_OFFLINE is set" if offline() else "the hub could not be reached"
         raise MlxSpecError(
             f"{what} {name}{at} is not in the Hugging Face cache and {why}: download it "
             f"once online (`hf download {name}{' --revision ' + revision if revision else ''}`), "
