@@ -44,7 +44,8 @@ def test_the_tree_is_optimal_and_within_budget_and_depth(seed, budget):
     candidates = [
         sorted(((t, float(np.log(p))) for t, p in enumerate(row)), key=lambda c: -c[1]) for row in marginals
     ]
-    tokens, parents, confidence = best_tree(candidates, budget)
+    draft = best_tree(candidates, budget)
+    tokens, parents, confidence = draft.tokens, draft.parents, draft.confidence
     tree = Tree(parents)  # also checks breadth-first order
     assert len(tokens) == budget and max(tree.depths) <= 3
     assert np.isclose(expected_length(tokens, parents, marginals), brute_force_best(marginals, budget))

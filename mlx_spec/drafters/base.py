@@ -1,8 +1,10 @@
 """The Drafter protocol: every source of drafts implements these four members."""
 
 import copy
+import heapq
+import itertools
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence, Union
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Union
 
 import mlx.core as mx
 
@@ -63,6 +65,22 @@ class Draft:
         """parents, also for a chain (draft i extends node i)."""
         return list(self.parents) if self.parents is not None else list(range(len(self)))
 
+    @classmethod
+    def of_tree(
+        cls, nodes: Sequence["TreeNode"], chain: bool = False, levels: Optional[int] = None
+    ) -> "Draft":
+        """The chosen nodes of a drafter's tree (every node's parent among them) in breadth-first
+        order, best first within a level; chain: they form one chain, drafted as such."""
+        order, parents = breadth_first(
+            nodes, lambda node: node.parent, key=lambda node: (node.depth, -node.score)
+        )
+        return cls(
+            tokens=[node.token for node in order],
+            parents=None if chain else parents,
+            confidence=[node.confidence for node in order],
+            levels=levels,
+        )
+
     def subset(self, kept: Sequence[int]) -> "Draft":
         """The drafts at indices `kept` (ancestors included, in order), as a Draft of their own."""
         if list(kept) == list(range(len(self))):
@@ -78,6 +96,47 @@ class Draft:
             q=self.q[mx.array(kept)] if self.q is not None and kept else None,
             confidence=[confidence[i] for i in kept] if self.confidence is not None else None,
         )
+
+
+@dataclass(eq=False)  # hashed by identity: Draft.of_tree numbers the nodes
+class TreeNode:
+    """One candidate of a drafter's tree."""
+
+    token: int  # a target id
+    depth: int  # 1: the position after the last committed token
+    score: float  # the path's value (a probability, or its log): never above its parent's
+    confidence: float  # its probability given its parent
+    parent: Optional["TreeNode"] = None  # None: a child of the root
+    below: Any = None  # what its drafter needs to offer its children (a trie, a cache slot)
+
+
+def best_first(
+    first: Iterable[TreeNode],
+    children: Callable[[TreeNode], Iterable[TreeNode]],
+    budget: int,
+    chain: bool = False,
+) -> List[TreeNode]:
+    """The `budget` best nodes of a tree grown best first: take the best candidate so far, then
+    offer its children. A child never scores above its parent and ties go to the shallower
+    node, so every node comes after its parent and the nodes taken are the best ancestor-closed
+    set (EAGLE-2's and DDTree's tree, SuffixDecoding's). chain: only the best child of a node
+    taken competes next (the most probable path)."""
+    heap: list = []
+    arrival = itertools.count()  # ties at equal score and depth: first offered first
+
+    def offer(nodes: Iterable[TreeNode]) -> None:
+        for node in nodes:
+            heapq.heappush(heap, (-node.score, node.depth, next(arrival), node))
+
+    offer(first)
+    taken: List[TreeNode] = []
+    while heap and len(taken) < budget:
+        node = heapq.heappop(heap)[-1]
+        if chain:
+            heap.clear()
+        taken.append(node)
+        offer(children(node))
+    return taken
 
 
 class Drafter:

@@ -7,43 +7,28 @@ when sampling by the seeded rule, of the drafter's distribution plus the positio
 the target picks: Sampler.tree_log_probs): the seeded rule's greedy walk and the residual
 rule's sibling rule with one-hot q (sampling without replacement) are both exact for them."""
 
-import heapq
-from typing import List, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import numpy as np
 
-from ..tree import breadth_first
-from .base import Draft
+from .base import Draft, TreeNode, best_first
 from .dflash import DFlashDrafter
 
 
-def best_tree(log_probs: Sequence[Sequence[Tuple[int, float]]], budget: int):
-    """The `budget` paths of largest probability product, as a breadth-first tree.
-    log_probs[d]: (token, log-probability) candidates at depth d + 1, best first. Returns
-    (tokens, parents, conditional probabilities), parents as in Draft (0 = root)."""
-    # Best-first: a node's children are the candidates of the next depth; a product never
-    # grows along a path, so the best `budget` nodes come out ancestors first.
-    heap = [(-lp, 0, j, -1) for j, (_, lp) in enumerate(log_probs[0][:1])] if log_probs else []
-    chosen = []  # (score, depth, candidate index, parent index in chosen)
-    while heap and len(chosen) < budget:
-        neg, depth, j, parent = heapq.heappop(heap)
-        chosen.append((-neg, depth, j, parent))
-        me = len(chosen) - 1
-        if j + 1 < len(log_probs[depth]):  # the next sibling
-            heapq.heappush(
-                heap, (neg + log_probs[depth][j][1] - log_probs[depth][j + 1][1], depth, j + 1, parent)
-            )
-        if depth + 1 < len(log_probs) and log_probs[depth + 1]:  # the first child
-            heapq.heappush(heap, (neg - log_probs[depth + 1][0][1], depth + 1, 0, me))
-    order, parents = breadth_first(
-        range(len(chosen)),
-        lambda i: chosen[i][3] if chosen[i][3] >= 0 else None,
-        key=lambda i: (chosen[i][1], -chosen[i][0], i),
-    )
-    tokens = [log_probs[chosen[i][1]][chosen[i][2]][0] for i in order]
-    confidence = [float(np.exp(log_probs[chosen[i][1]][chosen[i][2]][1])) for i in order]
-    return tokens, parents, confidence
+def best_tree(log_probs: Sequence[Sequence[Tuple[int, float]]], budget: int) -> Draft:
+    """The `budget` paths of largest probability product. log_probs[d]: (token,
+    log-probability) candidates at depth d + 1; every node of a depth has them as children."""
+
+    def at_depth(depth: int, parent: Optional[TreeNode]) -> List[TreeNode]:
+        base = parent.score if parent is not None else 0.0
+        return [
+            TreeNode(token, depth, base + value, float(np.exp(value)), parent)
+            for token, value in (log_probs[depth - 1] if depth <= len(log_probs) else ())
+        ]
+
+    nodes = best_first(at_depth(1, None), lambda node: at_depth(node.depth + 1, node), budget)
+    return Draft.of_tree(nodes, levels=len(log_probs))
 
 
 def tree_from_logits(
@@ -63,12 +48,11 @@ def tree_from_logits(
     columns = mx.argpartition(-log_q, kth=topk - 1, axis=-1)[:, :topk]
     values = mx.take_along_axis(log_q, columns, axis=-1)
     tokens = columns if ids is None else ids[columns]
-    candidates: List[List[Tuple[int, float]]] = [
-        sorted(((t, v) for t, v in zip(row_ids, row_values) if v > -np.inf), key=lambda c: -c[1])
+    candidates = [
+        [(t, v) for t, v in zip(row_ids, row_values) if v > -np.inf]
         for row_ids, row_values in zip(tokens.tolist(), values.tolist())
     ]
-    tokens, parents, confidence = best_tree(candidates, budget)
-    return Draft(tokens=tokens, parents=parents, confidence=confidence, levels=len(candidates))
+    return best_tree(candidates, budget)
 
 
 class DDTreeDrafter(DFlashDrafter):

@@ -17,8 +17,7 @@ import numpy as np
 
 from ..cache import common_prefix_length, rollback_to
 from ..errors import MlxSpecError
-from ..tree import breadth_first
-from .base import Draft, Drafter
+from .base import Draft, Drafter, TreeNode, best_first
 
 
 class FeatureDraftModel(Protocol):
@@ -133,60 +132,47 @@ class EagleDrafter(Drafter):
         `tree_budget` nodes. Drafts are the top-k of Sampler.tree_log_probs (deterministic: q is
         one-hot), so the tree verifier's chain rule keeps sampling exact. One small sync per level."""
         topk, offset = min(self.tree_topk, self.model.draft_vocab_size), len(self.paired)
-        # pool entries: [draft-vocab id, parent pool index (-1: root), depth, score, cache slot]
-        pool, slots = [], []
+        children: Dict[Optional[TreeNode], List[TreeNode]] = {}  # None: the root
+        slots: List[TreeNode] = []  # the nodes run through the layer; node.below: its cache slot
         hidden = self.last_hidden[0]  # the hidden each frontier row continues
-        rows = [-1]  # pool index of each row of `hidden`
+        rows: List[Optional[TreeNode]] = [None]  # the node of each row of `hidden`
         for level in range(1, depth + 1):
             # Every node of a level drafts the token at the same position.
             logp = self.sampler.tree_log_probs(
                 self.model.logits(hidden), [offset + level] * len(rows), self.vocab_size, ids=self.target_ids
             )
-            ids = mx.argpartition(-logp, kth=topk - 1, axis=-1)[:, :topk]
-            values = mx.take_along_axis(logp, ids, axis=-1)
-            ids, values = ids.tolist(), values.tolist()
-            candidates = []
-            for r, parent in enumerate(rows):
-                base = pool[parent][3] if parent >= 0 else 0.0
-                for token, value in zip(ids[r], values[r]):
-                    pool.append([token, parent, level, base + value, None])
-                    candidates.append(len(pool) - 1)
+            columns = mx.argpartition(-logp, kth=topk - 1, axis=-1)[:, :topk]
+            values = mx.take_along_axis(logp, columns, axis=-1)
+            tokens = columns if self.target_ids is None else self.target_ids[columns]
+            for parent, row_tokens, row_values in zip(rows, tokens.tolist(), values.tolist()):
+                base = parent.score if parent is not None else 0.0
+                children[parent] = [
+                    TreeNode(token, level, base + value, float(np.exp(value)), parent)
+                    for token, value in zip(row_tokens, row_values)
+                ]
             if level == depth:
                 break
-            frontier = sorted(candidates, key=lambda i: -pool[i][3])[:topk]
+            frontier = sorted((c for row in rows for c in children[row]), key=lambda node: -node.score)[:topk]
             # Run the layer on the frontier: each node sees the context and its ancestors.
             mask = np.zeros((len(frontier), offset + len(slots) + len(frontier)), dtype=bool)
             mask[:, :offset] = True
             for r, node in enumerate(frontier):
-                ancestor = pool[node][1]
-                while ancestor >= 0:
-                    mask[r, offset + pool[ancestor][4]] = True
-                    ancestor = pool[ancestor][1]
+                ancestor = node.parent
+                while ancestor is not None:
+                    mask[r, offset + ancestor.below] = True
+                    ancestor = ancestor.parent
                 mask[r, offset + len(slots) + r] = True
-            parent_rows = [rows.index(pool[node][1]) for node in frontier]
+            parent_rows = [rows.index(node.parent) for node in frontier]
             for node in frontier:
-                pool[node][4] = len(slots)
+                node.below = len(slots)
                 slots.append(node)
-            tokens = self.target_ids[mx.array([pool[node][0] for node in frontier])]
-            positions = mx.array([offset + level - 1] * len(frontier))
             hidden = self.model(
-                self.model.embed(tokens[None]),
+                self.model.embed(mx.array([node.token for node in frontier])[None]),
                 hidden[mx.array(parent_rows)][None],
                 self.cache,
-                positions=positions,
+                positions=mx.array([offset + level - 1] * len(frontier)),
                 mask=mx.array(mask),
             )[0]
             rows = frontier
-        # The best nodes. A child never scores above its parent (log-probabilities are <= 0) and
-        # ties go to the shallower node, so every chosen node's ancestors are chosen too.
-        chosen = sorted(range(len(pool)), key=lambda i: (-pool[i][3], pool[i][2]))[: self.tree_budget]
-        order, parents = breadth_first(
-            chosen, lambda i: pool[i][1] if pool[i][1] >= 0 else None, key=lambda i: (pool[i][2], -pool[i][3])
-        )
-        tokens = self.target_ids[mx.array([pool[node][0] for node in order])].tolist()
-        # Each node's probability given its parent: exp(score - the parent's score).
-        confidence = [
-            float(np.exp(pool[node][3] - (pool[pool[node][1]][3] if pool[node][1] >= 0 else 0.0)))
-            for node in order
-        ]
-        return Draft(tokens=tokens, parents=parents, confidence=confidence, levels=depth)
+        nodes = best_first(children[None], lambda node: children.get(node, []), self.tree_budget)
+        return Draft.of_tree(nodes, levels=depth)

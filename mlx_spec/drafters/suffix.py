@@ -14,12 +14,10 @@ are not verified (--tree-budget 0, a recurrent target) the tree's most probable 
 as a chain. Drafts are deterministic, so every sampling rule stays exact; each node's
 probability is its confidence, which the policy calibrates like any source's."""
 
-import heapq
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from ..suffix_memory import MATCH_LENGTHS, MAX_OCCURRENCES
-from ..tree import breadth_first
-from .base import Draft, Drafter
+from .base import Draft, Drafter, TreeNode, best_first
 
 FACTOR = 4  # the most nodes per matched token
 MIN_PROBABILITY = 0.1  # a token's probability given its parent, below which it is not drafted
@@ -66,37 +64,23 @@ def best_tree(
             entry = node.setdefault(token, [0, {}])
             entry[0] += 1
             node = entry[1]
-    size = min(budget, FACTOR * match_length)
-    # Best-first by path probability: a child never beats its parent, so parents come first.
-    chosen = []  # (path probability, its probability, token, depth, parent index or None, children)
-    heap = []
 
-    def offer(children: dict, path: float, level: int, parent: Optional[int]) -> None:
+    def offered(children: dict, parent: Optional[TreeNode]) -> List[TreeNode]:
+        """The children worth drafting, scored by their path's probability."""
+        level, path = (1, 1.0) if parent is None else (parent.depth + 1, parent.score)
         total = sum(count for count, _ in children.values()) + 1 / (match_length + level - 1)
-        for token, (count, grandchildren) in children.items():
-            p = count / total
-            if p >= MIN_PROBABILITY:
-                heapq.heappush(heap, (-path * p, level, len(chosen), token, p, parent, grandchildren))
+        return [
+            TreeNode(token, level, path * count / total, count / total, parent, below=grandchildren)
+            for token, (count, grandchildren) in children.items()
+            if count / total >= MIN_PROBABILITY
+        ]
 
-    offer(root, 1.0, 1, None)
-    while heap and len(chosen) < size:
-        neg, level, _, token, p, parent, children = heapq.heappop(heap)
-        if chain:
-            heap = []  # the best child only
-        chosen.append((-neg, p, token, level, parent))
-        if level < depth:
-            offer(children, -neg, level + 1, len(chosen) - 1)
-    if not chosen:
+    nodes = best_first(
+        offered(root, None), lambda node: offered(node.below, node), min(budget, FACTOR * match_length), chain
+    )
+    if not nodes:
         return Draft(), 0.0
-    order, parents = breadth_first(
-        range(len(chosen)), lambda i: chosen[i][4], key=lambda i: (chosen[i][3], -chosen[i][0], i)
-    )
-    draft = Draft(
-        tokens=[chosen[i][2] for i in order],
-        parents=None if chain else parents,
-        confidence=[chosen[i][1] for i in order],
-    )
-    return draft, sum(c[0] for c in chosen)
+    return Draft.of_tree(nodes, chain=chain), sum(node.score for node in nodes)
 
 
 class SuffixDrafter(Drafter):
