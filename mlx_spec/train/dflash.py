@@ -15,10 +15,9 @@ The result is written in z-lab's layout (config.json with architectures ["DFlash
 block_size, dflash_config {mask_token_id, target_layer_ids} + model.safetensors), which
 load_dflash reads."""
 
-import json
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, List, Optional, Sequence
+from typing import List, Optional, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -27,20 +26,17 @@ from mlx.utils import tree_flatten
 
 from ..drafters.dflash import DFlashDrafter
 from ..errors import MlxSpecError
-from ..models.dflash import ARCHITECTURE, DFlashModel, ModelArgs, spread_layer_ids
+from ..models.dflash import ARCHITECTURE, DFlashModel, ModelArgs, load_dflash, spread_layer_ids
 from .loop import (
-    DevEvaluation,
     FeatureStore,
     LoopOptions,
+    Trainer,
     TrainResult,
-    batch_indices,
     cast_for_saving,
     layer_config,
-    load_sequences,
-    resume_step,
-    run_loop,
     step_rng,
-    used_indices,
+    train,
+    write_checkpoint,
 )
 
 
@@ -287,86 +283,68 @@ def save_dflash(model: DFlashModel, target, path, dtype: str = "float32") -> Pat
     }
     if args.rope_scaling:
         config["rope_scaling"] = args.rope_scaling
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(config, indent=2))
-    weights = cast_for_saving(dict(tree_flatten(model.parameters())), dtype)
-    mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "pt"})
-    return path
+    return write_checkpoint(path, config, cast_for_saving(dict(tree_flatten(model.parameters())), dtype))
 
 
 # --- the run -------------------------------------------------------------------------------------
 
 
-def train_dflash(
-    target,
-    data_dir,
-    out_dir,
-    options: Optional[DFlashOptions] = None,
-    resume: bool = False,
-    feature_dir="default",
-    progress: Optional[Callable[[dict], None]] = None,
-    feature_progress: Optional[Callable[[int], None]] = None,
-) -> TrainResult:
-    """Train a DFlash drafter for `target` on `mlx-spec train data` output; write it to out_dir
-    (z-lab's layout) with training checkpoints in out_dir/checkpoint. feature_dir, progress and
-    feature_progress as in train_eagle."""
-    o = options or DFlashOptions()
-    if o.steps < 1 or o.batch_size < 1 or o.blocks_per_sequence < 1 or not o.decay > 0:
-        raise MlxSpecError("--steps, --batch-size and --blocks must be >= 1, --decay > 0")
-    out_dir = Path(out_dir)
-    sequences = load_sequences(data_dir, o.max_length)
-    evaluate = (
-        DevEvaluation(target, o.eval_data or data_dir, lambda m: DFlashDrafter(target, m), o.eval_prompts)
-        if o.eval_every
-        else None
-    )
-    out_dir.mkdir(parents=True, exist_ok=True)
-    mx.random.seed(o.seed)
-    start = resume_step(out_dir, resume)
-    if o.init and not start:  # continue a published drafter (its own shape, taps, mask token)
-        from ..models.dflash import load_dflash
+class DFlashTrainer(Trainer):
+    kind = "dflash"
 
-        model = load_dflash(o.init, target)
-        model.set_dtype(mx.float32)
-    else:
-        model = new_dflash_model(target, o.layers, o.block_size, o.target_layers, o.mask_token_id)
-    store = FeatureStore(
-        target, model.args.target_layer_ids, out_dir / "features" if feature_dir == "default" else feature_dir
-    )
-    store.prepare(
-        [sequences[i] for i in used_indices(len(sequences), o.batch_size, start, o.steps, o.seed)],
-        feature_progress,
-    )
-    weights_by_position = position_weights(o.block_size, o.decay)
+    def check(self):
+        o = self.options
+        if o.blocks_per_sequence < 1 or not o.decay > 0:
+            raise MlxSpecError("--blocks must be >= 1, --decay > 0")
 
-    def make_batch(step):
-        batch = [sequences[i] for i in batch_indices(len(sequences), o.batch_size, step, o.seed)]
+    def new_model(self, sequences):
+        o = self.options
+        return new_dflash_model(self.target, o.layers, o.block_size, o.target_layers, o.mask_token_id)
+
+    def load(self, path):  # its own shape, taps and mask token
+        return load_dflash(path, self.target)
+
+    def prepare(self, model):
+        self.weights_by_position = position_weights(model.args.block_size, self.options.decay)
+        self.loss_fn = make_dflash_loss(self.target)
+
+    def drafter(self, model):
+        return DFlashDrafter(self.target, model)
+
+    def taps(self, model):
+        return model.args.target_layer_ids
+
+    def batch(self, model, store, sequences, step):
+        o = self.options
         inputs = make_dflash_batch(
-            target, model, store, batch, step_rng(o.seed, step), o.blocks_per_sequence, weights_by_position
+            self.target,
+            model,
+            store,
+            sequences,
+            step_rng(o.seed, step),
+            o.blocks_per_sequence,
+            self.weights_by_position,
         )
         return inputs, int(np.prod(inputs[1].shape[:2]))  # block positions
 
-    args = model.args
-    architecture = {
-        "hidden_size": target.hidden_size,
-        "target_layers": target.num_layers,
-        "layers": args.num_hidden_layers,
-        "block_size": args.block_size,
-        "target_layer_ids": list(args.target_layer_ids),
-        "mask_token_id": args.mask_token_id,
-    }
-    result = run_loop(
-        "dflash",
-        model,
-        make_dflash_loss(target),
-        make_batch,
-        o,
-        out_dir,
-        architecture,
-        {"dflash": asdict(o)},
-        resume,
-        progress,
-        evaluate,
-    )
-    result.path = save_dflash(model, target, out_dir, o.save_dtype)
-    return result
+    def loss(self, model, *batch):
+        return self.loss_fn(model, *batch)
+
+    def architecture(self, model):
+        args = model.args
+        return {
+            "hidden_size": self.target.hidden_size,
+            "target_layers": self.target.num_layers,
+            "layers": args.num_hidden_layers,
+            "block_size": args.block_size,
+            "target_layer_ids": list(args.target_layer_ids),
+            "mask_token_id": args.mask_token_id,
+        }
+
+    def save(self, model, out_dir):
+        return save_dflash(model, self.target, out_dir, self.options.save_dtype)
+
+
+def train_dflash(target, data_dir, out_dir, options: Optional[DFlashOptions] = None, **run) -> TrainResult:
+    """Train a DFlash drafter for `target` (z-lab's layout in out_dir); run: as loop.train's."""
+    return train(DFlashTrainer(target, options or DFlashOptions()), data_dir, out_dir, **run)

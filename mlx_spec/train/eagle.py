@@ -20,8 +20,7 @@ masked. Step j's loss is weighted ttt_decay**j.
 The result is written in SafeAILab's layout (config.json + model.safetensors with midlayer.*,
 fc, norm, lm_head, d2t, t2d), which load_eagle3, vLLM and SafeAILab's EAGLE read."""
 
-import json
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, List, Optional, Sequence
 
@@ -33,19 +32,16 @@ from mlx.utils import tree_flatten
 from ..drafters.eagle import EagleDrafter
 from ..errors import MlxSpecError
 from ..models import vocabulary
-from ..models.eagle3 import Model, ModelArgs, default_layer_ids
+from ..models.eagle3 import Model, ModelArgs, default_layer_ids, load_eagle3
 from .loop import (
-    DevEvaluation,
     FeatureStore,
     LoopOptions,
+    Trainer,
     TrainResult,
-    batch_indices,
     cast_for_saving,
     layer_config,
-    load_sequences,
-    resume_step,
-    run_loop,
-    used_indices,
+    train,
+    write_checkpoint,
 )
 
 
@@ -141,24 +137,33 @@ def chain_attention_step(attn, x: mx.array, keys: List[mx.array], values: List[m
     return attn.o_proj(out.transpose(0, 2, 1, 3).reshape(b, n, -1))
 
 
+def ttt_steps(layer, hidden: mx.array, steps: int, step_input: Callable) -> List[mx.array]:
+    """A training-time test through a Llama-style decoder layer: its outputs [b, n, H] at
+    `steps` steps, step j fed with step j - 1's output (`hidden` at step 0) and attending with
+    the chain mask above; step_input(hidden, j) -> (the residual, the attention's input)."""
+    outputs, keys, values = [], [], []
+    for j in range(steps):
+        residual, x = step_input(hidden, j)
+        h = residual + chain_attention_step(layer.self_attn, x, keys, values, j)
+        hidden = h + layer.mlp(layer.post_attention_layernorm(h))
+        outputs.append(hidden)
+    return outputs
+
+
 def ttt_forward(model: Model, embeds: mx.array, fused: mx.array, steps: int) -> List[mx.array]:
     """The layer's pre-norm outputs [b, n, H] of `steps` training-time-test steps.
 
     embeds [b, n + steps - 1, H]: the target's embeddings of x_1, x_2, ... (row t of step j
     reads embeds[:, t + j]); fused [b, n, H]: fc of the target features F_0..F_{n-1}. Composes
-    the model's own modules (models/eagle3.py DecoderLayer) with the chain mask above."""
-    layer = model.midlayer
-    attn = layer.self_attn
-    b, n, _ = fused.shape
-    hidden, outputs, keys, values = fused, [], [], []
-    for j in range(steps):
+    the model's own modules (models/eagle3.py DecoderLayer)."""
+    layer, n = model.midlayer, fused.shape[1]
+
+    def step_input(hidden, j):
         normed = layer.hidden_norm(hidden)
-        residual = normed if layer.norm_before_residual else hidden
         x = mx.concatenate([layer.input_layernorm(embeds[:, j : j + n]), normed], axis=-1)
-        h = residual + chain_attention_step(attn, x, keys, values, j)
-        hidden = h + layer.mlp(layer.post_attention_layernorm(h))
-        outputs.append(hidden)
-    return outputs
+        return (normed if layer.norm_before_residual else hidden), x
+
+    return ttt_steps(layer, fused, steps, step_input)
 
 
 def cross_entropy(logits: mx.array, labels: mx.array) -> mx.array:
@@ -281,97 +286,68 @@ def save_eagle3(model: Model, path, dtype: str = "float32") -> Path:
     }
     if args.rope_scaling:
         config["rope_scaling"] = args.rope_scaling
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(config, indent=2))
-    mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "pt"})
-    return path
+    return write_checkpoint(path, config, weights)
 
 
 # --- the run -------------------------------------------------------------------------------------
 
 
-def train_eagle(
-    target,
-    data_dir,
-    out_dir,
-    options: Optional[EagleOptions] = None,
-    resume: bool = False,
-    feature_dir="default",
-    progress: Optional[Callable[[dict], None]] = None,
-    feature_progress: Optional[Callable[[int], None]] = None,
-) -> TrainResult:
-    """Train an EAGLE-3 layer for `target` on `mlx-spec train data` output; write it to out_dir
-    (SafeAILab layout) with training checkpoints in out_dir/checkpoint.
+class EagleTrainer(Trainer):
+    kind = "eagle"
 
-    feature_dir: where the target's features are cached ("default": out_dir/features; None:
-    in memory). progress(record) runs after each step; feature_progress(n) while features are
-    computed."""
-    o = options or EagleOptions()
-    if o.ttt_steps < 1 or o.batch_size < 1 or o.steps < 1 or o.draft_vocab_size < 1:
-        raise MlxSpecError("--steps, --batch-size, --ttt-steps and --draft-vocab-size must be >= 1")
-    check_labels(o.labels)
-    out_dir = Path(out_dir)
-    sequences = load_sequences(data_dir, o.max_length)
-    evaluate = (
-        DevEvaluation(
-            target, o.eval_data or data_dir, lambda m: EagleDrafter(m, target.vocab_size), o.eval_prompts
-        )
-        if o.eval_every
-        else None
-    )
-    out_dir.mkdir(parents=True, exist_ok=True)
-    mx.random.seed(o.seed)
-    start = resume_step(out_dir, resume)
-    if o.init and not start:  # continue a published layer (its own draft vocabulary and taps)
-        from ..models.eagle3 import load_eagle3
+    def check(self):
+        o = self.options
+        if o.ttt_steps < 1 or o.draft_vocab_size < 1:
+            raise MlxSpecError("--ttt-steps and --draft-vocab-size must be >= 1")
+        check_labels(o.labels)
 
-        model = load_eagle3(o.init, target)
-        model.set_dtype(mx.float32)
-        model.freeze(keys=["d2t"], recurse=False)
-    else:
-        model = new_eagle_model(
+    def new_model(self, sequences):
+        target, o = self.target, self.options
+        return new_eagle_model(
             target, draft_vocabulary(sequences, target.vocab_size, o.draft_vocab_size), o.layer_ids
         )
-    soft_head = target_head(target, model) if o.labels == "soft" else None
-    # Soft labels come from the target's last layer, cached as one more tap.
-    taps = list(model.taps) + ([target.num_layers - 1] if soft_head is not None else [])
-    store = FeatureStore(target, taps, out_dir / "features" if feature_dir == "default" else feature_dir)
-    store.prepare(
-        [sequences[i] for i in used_indices(len(sequences), o.batch_size, start, o.steps, o.seed)],
-        feature_progress,
-    )
-    step_weights = [o.ttt_decay**j for j in range(o.ttt_steps)]
-    to_draft = None
 
-    def make_batch(step):
-        nonlocal to_draft
-        if to_draft is None:  # after a resume, d2t is the checkpoint's
-            to_draft = target_to_draft(model)
-        batch = [sequences[i] for i in batch_indices(len(sequences), o.batch_size, step, o.seed)]
-        embeds, features, labels, weights = make_eagle_batch(
-            target, model, store, batch, o.ttt_steps, to_draft, soft_head
+    def load(self, path):  # its own draft vocabulary and taps
+        model = load_eagle3(path, self.target)
+        model.freeze(keys=["d2t"], recurse=False)
+        return model
+
+    def prepare(self, model):
+        o = self.options
+        self.soft_head = target_head(self.target, model) if o.labels == "soft" else None
+        self.step_weights = [o.ttt_decay**j for j in range(o.ttt_steps)]
+        self.to_draft = None  # after a resume, d2t is the checkpoint's: read at the first batch
+
+    def drafter(self, model):
+        return EagleDrafter(model, self.target.vocab_size)
+
+    def taps(self, model):  # soft labels come from the target's last layer, cached as one more tap
+        return list(model.taps) + ([self.target.num_layers - 1] if self.soft_head is not None else [])
+
+    def batch(self, model, store, sequences, step):
+        if self.to_draft is None:
+            self.to_draft = target_to_draft(model)
+        inputs = make_eagle_batch(
+            self.target, model, store, sequences, self.options.ttt_steps, self.to_draft, self.soft_head
         )
-        return (embeds, features, labels, weights, step_weights), sum(len(s.tokens) for s in batch)
+        return (*inputs, self.step_weights), sum(len(s.tokens) for s in sequences)
 
-    architecture = {
-        "hidden_size": target.hidden_size,
-        "target_layers": target.num_layers,
-        "vocab_size": target.vocab_size,
-        "draft_vocab_size": model.args.draft_vocab_size,
-        "layer_ids": list(model.args.aux_layer_ids),
-    }
-    result = run_loop(
-        "eagle",
-        model,
-        eagle_loss,
-        make_batch,
-        o,
-        out_dir,
-        architecture,
-        {"eagle": asdict(o)},
-        resume,
-        progress,
-        evaluate,
-    )
-    result.path = save_eagle3(model, out_dir, o.save_dtype)
-    return result
+    def loss(self, model, *batch):
+        return eagle_loss(model, *batch)
+
+    def architecture(self, model):
+        return {
+            "hidden_size": self.target.hidden_size,
+            "target_layers": self.target.num_layers,
+            "vocab_size": self.target.vocab_size,
+            "draft_vocab_size": model.args.draft_vocab_size,
+            "layer_ids": list(model.args.aux_layer_ids),
+        }
+
+    def save(self, model, out_dir):
+        return save_eagle3(model, out_dir, self.options.save_dtype)
+
+
+def train_eagle(target, data_dir, out_dir, options: Optional[EagleOptions] = None, **run) -> TrainResult:
+    """Train an EAGLE-3 layer for `target` (SafeAILab layout in out_dir); run: as loop.train's."""
+    return train(EagleTrainer(target, options or EagleOptions()), data_dir, out_dir, **run)

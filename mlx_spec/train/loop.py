@@ -1,6 +1,7 @@
-"""What EAGLE-3 and DFlash training share: the data, the target's features (computed once per
-sequence, cached on disk), a deterministic batch order, AdamW with warmup + cosine decay,
-checkpoints that a later run resumes from, and the progress line.
+"""What every trainer shares: the run (`train`: checks, the data, dev evaluation, resume, the
+target's features computed once per sequence and cached on disk, the loop, the save) with a
+Trainer's hooks for what one kind of drafter does its own way; a deterministic batch order,
+AdamW with warmup + cosine decay, checkpoints that a later run resumes from, the progress line.
 
 Determinism: the model's initial weights come from the seed; the rows of step s and any random
 choice made for it (DFlash's anchors) are functions of (seed, s) only, so a run resumed from
@@ -313,6 +314,15 @@ def cast_for_saving(weights: Dict[str, mx.array], dtype: str) -> Dict[str, mx.ar
     return {k: v.astype(target) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in weights.items()}
 
 
+def write_checkpoint(path: Path, config: dict, weights: Dict[str, mx.array]) -> Path:
+    """A published checkpoint in path: config.json and model.safetensors (with the metadata
+    PyTorch's writers give it, as the published checkpoints have)."""
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "pt"})
+    return path
+
+
 # --- the loop -----------------------------------------------------------------------------------
 
 
@@ -390,6 +400,117 @@ class DevEvaluation:
                 stats = Collector.of(engine.generate(prompt, max_tokens=self.max_tokens, seed=seed)).stats
                 committed, steps = committed + stats.committed_tokens, steps + stats.steps
         return {"dev_tau": committed / steps if steps else 0.0, "dev_prompts": len(self.prompts)}
+
+
+class Trainer:
+    """One kind of drafter's part in a training run (train/eagle.py, dflash.py, mtp.py,
+    medusa.py); `train` does the rest. Hooks not overridden do nothing."""
+
+    kind: str = ""  # the name in checkpoints (a resume checks it) and in `mlx-spec train KIND`
+
+    def __init__(self, target, options: LoopOptions):
+        self.target, self.options = target, options
+
+    def check(self) -> None:
+        """Raise MlxSpecError where the options cannot train."""
+
+    def new_model(self, sequences: List[TrainSequence]) -> nn.Module:
+        """A fresh model (float32) for the target."""
+        raise NotImplementedError
+
+    def load(self, path) -> nn.Module:
+        """The published drafter at --init, to continue."""
+        raise NotImplementedError
+
+    def prepare(self, model: nn.Module) -> None:
+        """The model is set (built, continued or about to be resumed): derive what the batches
+        need from it."""
+
+    def drafter(self, model: nn.Module):
+        """A drafter on the model as it is: what the dev evaluation decodes with."""
+        raise NotImplementedError
+
+    def taps(self, model: nn.Module) -> Sequence[int]:
+        """The target layers whose features the batches read (cached once per sequence)."""
+        return model.taps
+
+    def batch(self, model: nn.Module, store: "FeatureStore", sequences: List[TrainSequence], step: int):
+        """(the loss's inputs after the model, positions trained, for the rate)."""
+        raise NotImplementedError
+
+    def loss(self, model: nn.Module, *batch):
+        """(loss, metrics: a dict of scalars)."""
+        raise NotImplementedError
+
+    def architecture(self, model: nn.Module) -> dict:
+        """What a checkpoint must match to be resumed."""
+        raise NotImplementedError
+
+    def save(self, model: nn.Module, out_dir: Path) -> Path:
+        """Write the published checkpoint into out_dir; its path."""
+        raise NotImplementedError
+
+
+def train(
+    trainer: Trainer,
+    data_dir,
+    out_dir,
+    resume: bool = False,
+    feature_dir="default",
+    progress: Optional[Callable[[dict], None]] = None,
+    feature_progress: Optional[Callable[[int], None]] = None,
+) -> TrainResult:
+    """Train the trainer's drafter for its target on `mlx-spec train data` output; write it to
+    out_dir with training checkpoints in out_dir/checkpoint. feature_dir: where the target's
+    features are cached ("default": out_dir/features; None: in memory). progress(record) runs
+    after each step; feature_progress(n) while features are computed."""
+    o, target = trainer.options, trainer.target
+    if o.steps < 1 or o.batch_size < 1:
+        raise MlxSpecError("--steps and --batch-size must be >= 1")
+    trainer.check()
+    out_dir = Path(out_dir)
+    sequences = load_sequences(data_dir, o.max_length)
+    evaluate = (
+        DevEvaluation(target, o.eval_data or data_dir, trainer.drafter, o.eval_prompts)
+        if o.eval_every
+        else None
+    )
+    out_dir.mkdir(parents=True, exist_ok=True)
+    mx.random.seed(o.seed)
+    start = resume_step(out_dir, resume)
+    if o.init and not start:  # continue a published drafter (its own shape, taps, vocabulary)
+        model = trainer.load(o.init)
+        model.set_dtype(mx.float32)
+    else:
+        model = trainer.new_model(sequences)
+    trainer.prepare(model)
+    store = FeatureStore(
+        target, trainer.taps(model), out_dir / "features" if feature_dir == "default" else feature_dir
+    )
+    store.prepare(
+        [sequences[i] for i in used_indices(len(sequences), o.batch_size, start, o.steps, o.seed)],
+        feature_progress,
+    )
+
+    def make_batch(step):
+        batch = [sequences[i] for i in batch_indices(len(sequences), o.batch_size, step, o.seed)]
+        return trainer.batch(model, store, batch, step)
+
+    result = run_loop(
+        trainer.kind,
+        model,
+        trainer.loss,
+        make_batch,
+        o,
+        out_dir,
+        trainer.architecture(model),
+        {trainer.kind: asdict(o)},
+        resume,
+        progress,
+        evaluate,
+    )
+    result.path = trainer.save(model, out_dir)
+    return result
 
 
 def run_loop(

@@ -8,9 +8,8 @@ x_{t+2+i}; only response positions are labels. The target's output layer is the 
 of a step, so each head trains on at most `rows_per_head` rows of the batch, drawn from
 (seed, step) like every random choice of the training loop (train/loop.py)."""
 
-from dataclasses import asdict, dataclass
-from pathlib import Path
-from typing import Callable, Optional
+from dataclasses import dataclass
+from typing import Optional
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -18,19 +17,8 @@ import numpy as np
 
 from ..drafters.medusa import MedusaDrafter
 from ..errors import MlxSpecError
-from ..models.medusa import Model, ModelArgs, save_medusa
-from .loop import (
-    DevEvaluation,
-    FeatureStore,
-    LoopOptions,
-    TrainResult,
-    batch_indices,
-    load_sequences,
-    resume_step,
-    run_loop,
-    step_rng,
-    used_indices,
-)
+from ..models.medusa import Model, ModelArgs, load_medusa, save_medusa
+from .loop import FeatureStore, LoopOptions, Trainer, TrainResult, step_rng, train
 
 
 @dataclass
@@ -90,71 +78,52 @@ def make_medusa_batch(model: Model, store: FeatureStore, sequences, heads: int, 
     return hidden, [mx.array(r) for r in rows], [mx.array(l) for l in labels]
 
 
-def train_medusa(
-    target,
-    data_dir,
-    out_dir,
-    options: Optional[MedusaOptions] = None,
-    resume: bool = False,
-    feature_dir="default",
-    progress: Optional[Callable[[dict], None]] = None,
-    feature_progress: Optional[Callable[[int], None]] = None,
-) -> TrainResult:
-    """Train compact Medusa heads for `target`; write them to out_dir (FasterDecoding's layout,
-    without output layers), loadable with --draft medusa --draft-model out_dir."""
-    o = options or MedusaOptions()
-    if min(o.heads, o.rows_per_head, o.batch_size, o.steps) < 1 or o.layers < 0:
-        raise MlxSpecError("--heads, --rows-per-head, --batch-size and --steps must be >= 1, --layers >= 0")
-    out_dir = Path(out_dir)
-    sequences = load_sequences(data_dir, o.max_length)
-    evaluate = (
-        DevEvaluation(target, o.eval_data or data_dir, lambda m: MedusaDrafter(target, m), o.eval_prompts)
-        if o.eval_every
-        else None
-    )
-    out_dir.mkdir(parents=True, exist_ok=True)
-    start = resume_step(out_dir, resume)
-    if o.init and not start:
-        from ..models.medusa import load_medusa
+class MedusaTrainer(Trainer):
+    kind = "medusa"
 
-        model = load_medusa(o.init, target)
-        model.set_dtype(mx.float32)
-    else:
-        model = new_medusa_model(target, o.heads, o.layers)
-    store = FeatureStore(
-        target, [target.num_layers - 1], out_dir / "features" if feature_dir == "default" else feature_dir
-    )
-    store.prepare(
-        [sequences[i] for i in used_indices(len(sequences), o.batch_size, start, o.steps, o.seed)],
-        feature_progress,
-    )
-    head_weights = [o.head_decay**i for i in range(model.args.num_heads)]
+    def check(self):
+        o = self.options
+        if min(o.heads, o.rows_per_head) < 1 or o.layers < 0:
+            raise MlxSpecError("--heads and --rows-per-head must be >= 1, --layers >= 0")
 
-    def make_batch(step):
-        batch = [sequences[i] for i in batch_indices(len(sequences), o.batch_size, step, o.seed)]
+    def new_model(self, sequences):
+        return new_medusa_model(self.target, self.options.heads, self.options.layers)
+
+    def load(self, path):
+        return load_medusa(path, self.target)
+
+    def prepare(self, model):
+        self.head_weights = [self.options.head_decay**i for i in range(model.args.num_heads)]
+
+    def drafter(self, model):
+        return MedusaDrafter(self.target, model)
+
+    def taps(self, model):
+        return [self.target.num_layers - 1]
+
+    def batch(self, model, store, sequences, step):
+        o = self.options
         hidden, rows, labels = make_medusa_batch(
-            model, store, batch, model.args.num_heads, o.rows_per_head, step_rng(o.seed, step)
+            model, store, sequences, model.args.num_heads, o.rows_per_head, step_rng(o.seed, step)
         )
-        return (hidden, rows, labels, head_weights), sum(len(r) for r in rows)
+        return (hidden, rows, labels, self.head_weights), sum(len(r) for r in rows)
 
-    architecture = {
-        "hidden_size": target.hidden_size,
-        "vocab_size": target.vocab_size,
-        "heads": model.args.num_heads,
-        "layers": model.args.num_layers,
-    }
-    result = run_loop(
-        "medusa",
-        model,
-        medusa_loss,
-        make_batch,
-        o,
-        out_dir,
-        architecture,
-        {"medusa": asdict(o)},
-        resume,
-        progress,
-        evaluate,
-    )
-    result.path = save_medusa(model, out_dir, getattr(mx, o.save_dtype))
-    return result
+    def loss(self, model, *batch):
+        return medusa_loss(model, *batch)
+
+    def architecture(self, model):
+        return {
+            "hidden_size": self.target.hidden_size,
+            "vocab_size": self.target.vocab_size,
+            "heads": model.args.num_heads,
+            "layers": model.args.num_layers,
+        }
+
+    def save(self, model, out_dir):
+        return save_medusa(model, out_dir, getattr(mx, self.options.save_dtype))
+
+
+def train_medusa(target, data_dir, out_dir, options: Optional[MedusaOptions] = None, **run) -> TrainResult:
+    """Train compact Medusa heads for `target` (FasterDecoding's layout in out_dir, without
+    output layers; loadable with --draft medusa --draft-model out_dir); run: as loop.train's."""
+    return train(MedusaTrainer(target, options or MedusaOptions()), data_dir, out_dir, **run)

@@ -19,10 +19,9 @@ text the target did not write trains it towards what it would write), on the res
 only (their rows are gathered before the output layer, the costliest matmul). Layers of the
 Llama family (q/k/v/o projections, input and post-attention norms) only."""
 
-import json
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, List, Optional
+from typing import List, Optional
 
 import mlx.core as mx
 import numpy as np
@@ -31,28 +30,17 @@ from mlx.utils import tree_flatten
 from ..drafters.eagle import EagleDrafter
 from ..errors import MlxSpecError
 from ..models import vocabulary
-from ..models.mtp import LAYOUTS, Model
+from ..models.mtp import LAYOUTS, Model, load_mtp
 from .eagle import (
-    chain_attention_step,
     check_labels,
     cross_entropy,
     make_eagle_batch,
     target_distribution,
     target_head,
     top_label,
+    ttt_steps,
 )
-from .loop import (
-    DevEvaluation,
-    FeatureStore,
-    LoopOptions,
-    TrainResult,
-    batch_indices,
-    cast_for_saving,
-    load_sequences,
-    resume_step,
-    run_loop,
-    used_indices,
-)
+from .loop import FeatureStore, LoopOptions, Trainer, TrainResult, cast_for_saving, train, write_checkpoint
 
 
 @dataclass
@@ -89,19 +77,17 @@ def new_mtp_model(target, seed: int = 0) -> Model:
 def ttt_forward(model: Model, embeds: mx.array, hidden: mx.array, steps: int) -> List[mx.array]:
     """The module's outputs [b, n, H] at `steps` depths. embeds [b, n + steps - 1, H]: the
     target's embeddings of x_1, x_2, ...; hidden [b, n, H]: the target's normed last hidden
-    states at 0..n-1. The module's own pieces, with the chain mask of train/eagle.py."""
-    layer, attn = model.layer, model.layer.self_attn
-    b, n, _ = hidden.shape
-    outputs, keys, values = [], [], []
-    for j in range(steps):
+    states at 0..n-1. The module's own pieces, through train/eagle.py's training-time test."""
+    n = hidden.shape[1]
+
+    def step_input(hidden, j):
         e = embeds[:, j : j + n]
         if j == 0:  # position 0's embedding is zeroed (models/mtp.py)
             e = mx.concatenate([mx.zeros_like(e[:, :1]), e[:, 1:]], axis=1)
         x = model.proj(mx.concatenate([model.embed_norm(e), model.hidden_norm(hidden)], axis=-1))
-        h = x + chain_attention_step(attn, layer.input_layernorm(x), keys, values, j)
-        hidden = h + layer.mlp(layer.post_attention_layernorm(h))
-        outputs.append(hidden)
-    return outputs
+        return x, model.layer.input_layernorm(x)
+
+    return ttt_steps(model.layer, hidden, steps, step_input)
 
 
 def mtp_loss(model: Model, embeds, hidden, rows, labels, step_weights):
@@ -180,90 +166,59 @@ def save_mtp(model: Model, target, path, dtype: str = "float32") -> Path:
     config = dict(target.config, num_nextn_predict_layers=1, torch_dtype=dtype)
     config.pop("quantization", None)
     config.pop("quantization_config", None)
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(config, indent=2))
-    mx.save_safetensors(
-        str(path / "model.safetensors"), cast_for_saving(weights, dtype), metadata={"format": "pt"}
-    )
-    return path
+    return write_checkpoint(path, config, cast_for_saving(weights, dtype))
 
 
-def train_mtp(
-    target,
-    data_dir,
-    out_dir,
-    options: Optional[MTPOptions] = None,
-    resume: bool = False,
-    feature_dir="default",
-    progress: Optional[Callable[[dict], None]] = None,
-    feature_progress: Optional[Callable[[int], None]] = None,
-) -> TrainResult:
-    """Train an MTP module for `target` on `mlx-spec train data` output; write it to out_dir
-    (DeepSeek layout, loadable with --draft mtp --draft-model out_dir)."""
-    o = options or MTPOptions()
-    if o.ttt_steps < 1 or o.batch_size < 1 or o.steps < 1:
-        raise MlxSpecError("--steps, --batch-size and --ttt-steps must be >= 1")
-    check_labels(o.labels)
-    out_dir = Path(out_dir)
-    sequences = load_sequences(data_dir, o.max_length)
-    evaluate = (
-        DevEvaluation(
-            target, o.eval_data or data_dir, lambda m: EagleDrafter(m, target.vocab_size), o.eval_prompts
-        )
-        if o.eval_every
-        else None
-    )
-    out_dir.mkdir(parents=True, exist_ok=True)
-    mx.random.seed(o.seed)
-    start = resume_step(out_dir, resume)
-    if o.init and not start:
-        from ..models.mtp import load_mtp
+class MTPTrainer(Trainer):
+    kind = "mtp"
 
-        model = load_mtp(o.init, target)
-        model.set_dtype(mx.float32)
-    else:
-        model = new_mtp_model(target, o.seed)
-    if o.init and model.draft_ids is None:  # resumed: the draft vocabulary is not in the checkpoint
-        ids = vocabulary.read(o.init, target.vocab_size)
-        if ids is not None:
-            model.use_vocabulary(ids)
-    soft_head = target_head(target, model) if o.labels == "soft" else None
-    store = FeatureStore(
-        target, model.taps, out_dir / "features" if feature_dir == "default" else feature_dir
-    )
-    store.prepare(
-        [sequences[i] for i in used_indices(len(sequences), o.batch_size, start, o.steps, o.seed)],
-        feature_progress,
-    )
-    step_weights = [o.ttt_decay**j for j in range(o.ttt_steps)]
+    def check(self):
+        if self.options.ttt_steps < 1:
+            raise MlxSpecError("--ttt-steps must be >= 1")
+        check_labels(self.options.labels)
 
-    def make_batch(step):
-        batch = [sequences[i] for i in batch_indices(len(sequences), o.batch_size, step, o.seed)]
-        return (
-            (*make_mtp_batch(target, model, store, batch, o.ttt_steps, soft_head), step_weights),
-            sum(len(s.tokens) for s in batch),
-        )
+    def new_model(self, sequences):
+        return new_mtp_model(self.target, self.options.seed)
 
-    architecture = {
-        "hidden_size": target.hidden_size,
-        "target_layers": target.num_layers,
-        "vocab_size": target.vocab_size,
-        "layout": "deepseek",
-    }
-    result = run_loop(
-        "mtp",
-        model,
-        mtp_loss,
-        make_batch,
-        o,
-        out_dir,
-        architecture,
-        {"mtp": asdict(o)},
-        resume,
-        progress,
-        evaluate,
-    )
-    result.path = save_mtp(model, target, out_dir, o.save_dtype)
-    if model.draft_ids is not None:  # the draft vocabulary it was trained over goes with it
-        vocabulary.write(out_dir, np.array(model.draft_ids))
-    return result
+    def load(self, path):
+        return load_mtp(path, self.target)
+
+    def prepare(self, model):
+        o = self.options
+        if o.init and model.draft_ids is None:  # resumed: the draft vocabulary is not in the checkpoint
+            ids = vocabulary.read(o.init, self.target.vocab_size)
+            if ids is not None:
+                model.use_vocabulary(ids)
+        self.soft_head = target_head(self.target, model) if o.labels == "soft" else None
+        self.step_weights = [o.ttt_decay**j for j in range(o.ttt_steps)]
+
+    def drafter(self, model):
+        return EagleDrafter(model, self.target.vocab_size)
+
+    def batch(self, model, store, sequences, step):
+        inputs = make_mtp_batch(self.target, model, store, sequences, self.options.ttt_steps, self.soft_head)
+        return (*inputs, self.step_weights), sum(len(s.tokens) for s in sequences)
+
+    def loss(self, model, *batch):
+        return mtp_loss(model, *batch)
+
+    def architecture(self, model):
+        target = self.target
+        return {
+            "hidden_size": target.hidden_size,
+            "target_layers": target.num_layers,
+            "vocab_size": target.vocab_size,
+            "layout": "deepseek",
+        }
+
+    def save(self, model, out_dir):
+        path = save_mtp(model, self.target, out_dir, self.options.save_dtype)
+        if model.draft_ids is not None:  # the draft vocabulary it was trained over goes with it
+            vocabulary.write(out_dir, np.array(model.draft_ids))
+        return path
+
+
+def train_mtp(target, data_dir, out_dir, options: Optional[MTPOptions] = None, **run) -> TrainResult:
+    """Train an MTP module for `target` (DeepSeek layout in out_dir, loadable with --draft mtp
+    --draft-model out_dir); run: as loop.train's."""
+    return train(MTPTrainer(target, options or MTPOptions()), data_dir, out_dir, **run)
