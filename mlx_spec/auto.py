@@ -16,18 +16,19 @@ The choice and why it was made come back as a `Choice`, for the banners and --js
 
 import json
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, List, Optional
 
 from .config import EngineConfig, build_engine
-from .drafters import DRAFTERS, make_drafter
+from .drafters import DRAFTERS, make_drafter, option_names
 from .errors import MlxSpecError
 
 REGISTRY = Path(__file__).with_name("published_drafters.json")
 SPLIT_REFUSED = "--draft auto with --sharding: name the source (--draft suffix, --draft mtp, ...)"
-# What auto may not be given: it picks the source, and these belong to one source or another.
-SOURCE_OPTIONS = ("draft_model", "ngram_max", "ngram_min", "tree_budget", "tree_topk", "exit_layer")
+# What auto may not be given: it picks the source, and the sources' options belong to one
+# source or another; but for the suffix memory, which is the user's whichever source reads it.
+SOURCE_OPTIONS = tuple(name for name in option_names() if name != "suffix_memory")
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,8 @@ class Choice:
     draft: str  # the --draft value chosen
     draft_model: Optional[str]  # its checkpoint directory (None: the source needs none, or finds it)
     why: str  # one line: what was chosen and why
+    # The drafter already built from draft_model (to check that it fits): the engine takes it.
+    drafter: object = field(default=None, repr=False, compare=False)
 
 
 def name_key(name: str) -> str:
@@ -119,19 +122,19 @@ def _fetch(
     return resolve(entry.repo, None, "drafter")
 
 
-def _fits(entry: Published, path: Path, target, names) -> Optional[str]:
-    """Why the drafter at `path` is not for this target (None: it is): the target its config
-    names, else what its loader refuses (hidden size, layers, vocabulary)."""
+def _fits(entry: Published, path: Path, target, names, dtype: str):
+    """(why the drafter at `path` is not for this target, None; or None, the drafter built from
+    it): the target its config names, else what its loader refuses (hidden size, layers,
+    vocabulary)."""
     from .models.checkpoint import read_config
 
     declared = declared_target(read_config(path, "drafter"))
     if declared and not any(_matches(name_key(declared), name_key(n)) for n in names):
-        return f"its config names the target {declared}"
-    try:  # loaded here to check it, again by the engine (mlx loads weights lazily: little is read twice)
-        make_drafter(entry.kind, target, {"draft_model": str(path)})
+        return f"its config names the target {declared}", None
+    try:
+        return None, make_drafter(entry.kind, target, {"draft_model": str(path), "dtype": dtype})
     except MlxSpecError as e:
-        return str(e)
-    return None
+        return str(e), None
 
 
 def choose(
@@ -160,13 +163,13 @@ def choose(
         path = _fetch(entry, config.draft.download_drafter, confirm, note)
         if path is None:
             continue
-        why_not = _fits(entry, path, target, names)
+        why_not, drafter = _fits(entry, path, target, names, config.model.dtype)
         if why_not:
             note(
                 f"{entry.repo} is registered for {entry.target} but does not fit this model ({why_not}): passed over"
             )
             continue
-        return Choice(entry.kind, str(path), f"{entry.repo}, published for {entry.target}")
+        return Choice(entry.kind, str(path), f"{entry.repo}, published for {entry.target}", drafter)
     return Choice("suffix", None, "no MTP module and no published drafter in the cache for this model")
 
 
@@ -180,4 +183,4 @@ def auto_engine(target, config: EngineConfig, confirm=None, note=None):
         suffix_memory=config.draft.suffix_memory if "suffix_memory" in source.options.names() else None,
         stop_early=config.draft.stop_early and source.stops_early,
     )
-    return build_engine(target, chosen), choice
+    return build_engine(target, chosen, drafter=choice.drafter), choice

@@ -7,7 +7,15 @@ the CLI, bench, the server and batch_generate alike."""
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Dict, Optional
 
-from .drafters import DRAFTERS, SourceOptions, draft_tokens, make_drafter, source_options, sources_reading
+from .drafters import (
+    DRAFTERS,
+    SourceOptions,
+    draft_tokens,
+    make_drafter,
+    option_names,
+    source_options,
+    sources_reading,
+)
 from .errors import MlxSpecError
 
 # The engine, the cache and sampling (mlx-lm, ~2 s to import) are imported where an engine is
@@ -117,18 +125,7 @@ class DraftConfig:
         return source_options(
             draft or self.draft,
             dtype=dtype,
-            **{
-                name: getattr(self, name)
-                for name in (
-                    "draft_model",
-                    "ngram_max",
-                    "ngram_min",
-                    "tree_budget",
-                    "tree_topk",
-                    "suffix_memory",
-                    "exit_layer",
-                )
-            },
+            **{name: getattr(self, name) for name in option_names()},
         )
 
 
@@ -280,13 +277,13 @@ def engine_settings(config: EngineConfig) -> dict:
     )
 
 
-def build_engine(target, config: EngineConfig, split=None):
+def build_engine(target, config: EngineConfig, split=None, drafter=None):
     """The Engine of `config` over a loaded target (split: the SplitTarget it belongs to, whose
     rank 0 gets a SplitEngine). config.draft.draft_model is a local directory here (api.load
-    resolves repo ids)."""
+    resolves repo ids). drafter: config's, already built (--draft auto builds one to check it)."""
     from .engine import Engine
 
-    options = config.draft.source_options(config.model.dtype)
-    drafter = make_drafter(config.draft.draft, target, options)
+    if drafter is None:
+        drafter = make_drafter(config.draft.draft, target, config.draft.source_options(config.model.dtype))
     settings = engine_settings(config)
     return split.engine(drafter, **settings) if split is not None else Engine(target, drafter, **settings)

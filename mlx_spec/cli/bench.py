@@ -3,7 +3,7 @@ from pathlib import Path
 
 import click
 
-from ..drafters import DRAFTERS
+from ..drafters import DRAFTERS, option_names
 from .common import GroupedCommand, config_options, echo_err, reports_errors
 
 
@@ -145,11 +145,12 @@ def bench(
         )
     )
     sources = {name: name for name in names}  # what each method runs: auto's choice for auto
+    built = {}  # drafters already built: auto's, checked to fit
     if "auto" in names:
         from ..auto import SOURCE_OPTIONS, choose
 
         choice = choose(target, config.with_draft("auto", **{option: None for option in SOURCE_OPTIONS}))
-        sources["auto"], paths["auto"] = choice.draft, choice.draft_model
+        sources["auto"], paths["auto"], built["auto"] = choice.draft, choice.draft_model, choice.drafter
         echo_err(f"bench: --draft auto runs {choice.draft} ({choice.why})")
     engines = {
         name: build_engine(
@@ -158,6 +159,7 @@ def bench(
                 config, sources[name], draft_model_path(sources[name], paths.get(name)), memory, seed
             ),
             split,
+            drafter=built.get(name),
         )
         for name in names
     }
@@ -229,7 +231,8 @@ def method_config(config, method: str, draft_model, memory, seed):
     reads = DRAFTERS[method].options.names()
     given = {
         name: getattr(config.draft, name) if name in reads else None
-        for name in ("ngram_max", "ngram_min", "tree_budget", "tree_topk", "exit_layer")
+        for name in option_names()
+        if name not in ("draft_model", "suffix_memory")  # set below
     }
     return replace(
         config.with_draft(

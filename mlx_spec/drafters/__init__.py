@@ -350,6 +350,12 @@ def draft_tokens(method: str, num_draft_tokens=None) -> int:
     )
 
 
+def option_names() -> tuple:
+    """Every option some source reads, in the order DRAFTERS first declares them."""
+    names = [f.name for source in DRAFTERS.values() for f in fields(source.options) if f.name != "dtype"]
+    return tuple(dict.fromkeys(names))
+
+
 def sources_reading(option: str) -> str:
     """The sources that read `option` ("stop_early": those that stop early), as --draft a|b."""
     return "|".join(
@@ -364,7 +370,7 @@ def source_options(method: str, **given) -> SourceOptions:
     stands). An option of another source is refused in one line; names no source reads are
     left aside, as mlx-lm's from_dict does."""
     source = DRAFTERS[check_method(method)]
-    known = set().union(*(s.options.names() for s in DRAFTERS.values()))
+    known = option_names()
     for name, value in given.items():
         if value is not None and name in known and name not in source.options.names():
             chain = (
