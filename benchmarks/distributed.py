@@ -11,7 +11,7 @@ tensor parallelism; mlx-lm has pipeline stages for qwen3_next, qwen3_5, deepseek
 
 Plain: every rank runs mlx_lm.stream_generate over its shard (as mlx-lm's sharded generation
 does); at temperature > 0 it draws by mlx-spec's seeded rule (mlx_spec.bench.seeded_sampler), so
-that both write the same text. mlx-spec: rank 0 runs distributed.SplitEngine (adaptive), the
+that both write the same text. mlx-spec: rank 0 runs distributed.split_engine (adaptive), the
 others distributed.Follower. Rank 0 prints the table and writes --out."""
 
 import mlx_spec  # noqa: F401  (first: it loads OpenBLAS before mlx.core does any work)

@@ -199,7 +199,7 @@ class BatchEngine:
                 done[b] += width
             for i in reversed(range(len(active))):  # a row whose prompt is in leaves with its cache
                 if done[active[i]] == len(todo[active[i]]):
-                    rows[active[i]].engine.session.cache = [batch.take(i) for batch in cache]
+                    rows[active[i]].engine.session.move_to([batch.take(i) for batch in cache])
                     del active[i]
         return [
             (row, {layer: mx.concatenate(hs, axis=1) for layer, hs in pieces[id(row)].items()})
@@ -243,11 +243,11 @@ class BatchEngine:
         row.index = len([r for r in self.rows if r.index >= 0])
         for batch, own in zip(self.cache, engine.cache):
             batch.add(own)
-        engine.session.cache = [RaggedRow(batch, row) for batch in self.cache]
+        engine.session.move_to([RaggedRow(batch, row) for batch in self.cache])
 
     def _leave(self, row: Row) -> None:
         if row.index >= 0:
-            row.engine.session.cache = [batch.take(row.index) for batch in self.cache]
+            row.engine.session.move_to([batch.take(row.index) for batch in self.cache])
             for other in self.rows:
                 if other.index > row.index:
                     other.index -= 1

@@ -267,7 +267,7 @@ def run_bench(
 ) -> List[Record]:
     """Every turn of every item, `repeats` times: each method interleaved with a baseline run
     (with mlx-lm's cache_flags, as the engines have them). channel: a split target's (rank 0;
-    the engines are its SplitEngines): every rank runs the baseline too, and the two runs of a
+    the engines are its split engines): every rank runs the baseline too, and the two runs of a
     pair go one after the other, not in turns."""
     compared = sampling.greedy or not residual  # outputs that must equal the baseline's
     sampler = baseline_sampler(sampling, seed, residual)

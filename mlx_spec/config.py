@@ -190,9 +190,9 @@ class SplitConfig:
     sharding: Optional[str] = setting(
         None,
         "Split the target over the processes mlx.launch starts (mlx-lm's "
-        "sharding: tensor parallel, or pipeline stages); rank 0 drafts and "
-        "prints.",
-        type=("Choice", ["tensor", "pipeline"]),
+        "sharding: tensor parallel, pipeline stages, or auto: tensor where the "
+        "heads split evenly, else pipeline); rank 0 drafts and prints.",
+        type=("Choice", ["tensor", "pipeline", "auto"]),
     )
     rank_timeout: Optional[float] = setting(
         None,
@@ -278,9 +278,10 @@ def engine_settings(config: EngineConfig) -> dict:
 
 
 def build_engine(target, config: EngineConfig, split=None, drafter=None):
-    """The Engine of `config` over a loaded target (split: the SplitTarget it belongs to, whose
-    rank 0 gets a SplitEngine). config.draft.draft_model is a local directory here (api.load
-    resolves repo ids). drafter: config's, already built (--draft auto builds one to check it)."""
+    """The Engine of `config` over a loaded target (split: the SplitTarget it belongs to, on
+    whose rank 0 the engine's passes are ordered on the other ranks first).
+    config.draft.draft_model is a local directory here (api.load resolves repo ids). drafter:
+    config's, already built (--draft auto builds one to check it)."""
     from .engine import Engine
 
     if drafter is None:

@@ -19,11 +19,11 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
-from .drafters.base import NoDrafter
-from .engine import Engine, PendingVerification
+from .cache import make_cache
+from .engine import Engine, Passes, Session
 from .errors import MlxSpecError, RanksLost
 
-SHARDINGS = ("tensor", "pipeline")
+SHARDINGS = ("tensor", "pipeline", "auto")
 RANK_TIMEOUT = 120.0  # seconds a pass (a prefill chunk) may wait for another rank before the run ends
 
 ONE_CONVERSATION = (
@@ -38,7 +38,7 @@ STOP, FILL, VERIFY, ROLLBACK, RESET, QUANTIZE, TAPS, PLAIN = range(8)  # PLAIN: 
 def init_group(sharding: str):
     """The group of processes mlx.launch started (one line where there is none to split over)."""
     if sharding not in SHARDINGS:
-        raise MlxSpecError(f"unknown sharding {sharding!r}: choose {' or '.join(SHARDINGS)}")
+        raise MlxSpecError(f"unknown sharding {sharding!r}: choose {', '.join(SHARDINGS)}")
     group = mx.distributed.init()
     if group.size() < 2:
         raise MlxSpecError(
@@ -57,10 +57,34 @@ def _divisible(config: dict, size: int) -> Optional[str]:
     return None
 
 
-def shard_model(model, config: dict, sharding: str, group) -> None:
-    """Split the (lazily loaded) model over the group as mlx-lm's sharded_load does; one line
-    where mlx-lm cannot split this model so."""
+def choose_sharding(model, config: dict, size: int) -> Tuple[str, str]:
+    """--sharding auto: (tensor or pipeline, why, in a few words). Tensor parallelism where the
+    model's heads split evenly over the ranks (every rank computes a share of every layer),
+    else pipeline stages (a rank computes its layers while the others wait); one line where
+    mlx-lm can do neither."""
     model_type = config.get("model_type", "this")
+    why_not_tensor = (
+        f"mlx-lm cannot tensor-shard a {model_type} model"
+        if not hasattr(model, "shard")
+        else _divisible(config, size)
+    )
+    if why_not_tensor is None:
+        return "tensor", f"its attention heads split evenly over {size} ranks"
+    if hasattr(getattr(model, "model", None), "pipeline"):
+        return "pipeline", why_not_tensor
+    raise MlxSpecError(
+        f"cannot split this {model_type} model: {why_not_tensor}, and mlx-lm has no pipeline stages for it"
+    )
+
+
+def shard_model(model, config: dict, sharding: str, group) -> str:
+    """Split the (lazily loaded) model over the group as mlx-lm's sharded_load does (auto:
+    choose_sharding's); one line where mlx-lm cannot split this model so. The sharding used."""
+    model_type = config.get("model_type", "this")
+    if sharding == "auto":
+        sharding, why = choose_sharding(model, config, group.size())
+        if group.rank() == 0:
+            print(f"mlx-spec: --sharding auto: {sharding} ({why})", file=sys.stderr, flush=True)
     if sharding == "tensor":
         if not hasattr(model, "shard"):
             raise MlxSpecError(
@@ -85,6 +109,7 @@ def shard_model(model, config: dict, sharding: str, group) -> None:
                 f"the model's {len(inner.layers)} layers cannot make {group.size()} pipeline stages"
             )
         inner.pipeline(group)
+    return sharding
 
 
 def held_layers(target) -> range:
@@ -238,35 +263,28 @@ class _Watching:
         return False
 
 
-class SplitEngine(Engine):
-    """Rank 0's engine over a split target: every operation on the target's cache is ordered on
-    the other ranks first (the same code then runs there, Follower). One generation at a time;
-    tree sources verify their chains. Orders carry how many tokens rank 0's cache holds, which
-    each follower checks (out of step: it stops, and the run ends in one line)."""
+REFUSED = {
+    "spawn": "a split target (--sharding) runs one generation at a time",
+    "sessions": ONE_CONVERSATION,
+    "resume": "a prompt cache file holds the whole model's cache, not a rank's shard: "
+    "--prompt-cache-file does not run with --sharding",
+}
+
+
+class SplitPasses(Passes):
+    """Rank 0's passes over a split target: every operation on the target's cache is ordered on
+    the other ranks first (the same Session operations then run there, Follower). Orders carry
+    how many tokens rank 0's cache holds, which each follower checks (out of step: it stops,
+    and the run ends in one line). drafter_taps: the layers rank 0's drafter reads; those that
+    other ranks hold (pipeline stages) are sent by them after each pass."""
 
     in_pass = False  # an order of a pass was sent, and the pass is not over on this rank
 
-    def __init__(self, target, drafter, channel: Channel, **settings):
+    def __init__(self, target, channel: Channel, drafter_taps: Sequence[int]):
+        super().__init__(target)
         self.channel, self.closed = channel, False
-        if settings.get("sessions"):
-            raise MlxSpecError(ONE_CONVERSATION)
-        if drafter is not None and drafter.tree:
-            chains = drafter.chains()
-            if chains is None:
-                raise MlxSpecError(
-                    "this draft source drafts trees only, which a split target does not verify: "
-                    "use its chains (--tree-budget 0) or another source"
-                )
-            drafter = chains
-        super().__init__(target, drafter, **settings)
-        if self.drafter.verify_forward is not None:
-            raise MlxSpecError(
-                "this draft source runs the target's own layers on one process: with --sharding "
-                "use lookup, suffix, a draft model, EAGLE-3, DFlash, MTP or Medusa"
-            )
-        # The drafter's taps that other ranks compute (pipeline stages): sent after each pass.
         self.remote: Dict[int, List[int]] = {}
-        for layer in sorted(self.drafter.taps):
+        for layer in sorted(drafter_taps):
             rank = channel.holder(layer)
             if rank != 0:
                 self.remote.setdefault(rank, []).append(layer)
@@ -283,70 +301,36 @@ class SplitEngine(Engine):
             TAPS, [v for rank, layers in self.remote.items() for layer in layers for v in (rank, layer)]
         )
 
-    def spawn(self):
-        raise MlxSpecError("a split target (--sharding) runs one generation at a time")
+    def refusal(self, what):
+        return REFUSED[what]
 
-    def resume(self, cache):
-        raise MlxSpecError(
-            "a prompt cache file holds the whole model's cache, not a rank's shard: "
-            "--prompt-cache-file does not run with --sharding"
-        )
-
-    def attach(self, session):
-        raise MlxSpecError(ONE_CONVERSATION)
-
-    def detach(self):
-        raise MlxSpecError(ONE_CONVERSATION)
-
-    def copy_session(self):
-        raise MlxSpecError(ONE_CONVERSATION)
-
-    def with_chain_drafts(self):
-        return None
-
-    def unbatchable(self) -> Optional[str]:
-        return "a split target (--sharding) runs one generation at a time"
-
-    def run(self, *args, **kwargs):
+    def start(self):
         if self.channel.broken:
             raise RanksLost("the split target lost a rank earlier: the run cannot go on")
-        return (yield from super().run(*args, **kwargs))
 
-    def reset(self) -> None:
-        # An error or Ctrl-C inside a pass leaves the others in it; a lost rank said so already.
-        if self.in_pass and not self.channel.broken:
-            self.channel.broken = True
-            raise RanksLost(
-                "a pass of the split target was interrupted, which leaves the ranks out of step: the run ends"
-            )
-        self.channel.send(RESET)
-        super().reset()
+    def layers(self, drafter_taps):
+        return split_prefill_taps(drafter_taps, self.target)
 
-    def _roll_back(self, length: int) -> None:
-        if length < len(self.cached_tokens):  # else nothing to drop (a step that kept every draft)
-            self.channel.send(ROLLBACK, [len(self.cached_tokens), length])
-        super()._roll_back(length)
-
-    @property
-    def prefill_taps(self) -> Sequence[int]:
-        return split_prefill_taps(self)
-
-    def _fill(self, tokens: List[int]):
-        self.channel.send(FILL, [len(self.cached_tokens)] + list(tokens))
+    def fill(self, session, tokens, layers):
+        self.channel.send(FILL, [len(session.tokens)] + list(tokens))
         self.in_pass = True
         with self.channel.watching("a prefill pass"):
-            taps = super()._fill(tokens)
+            taps = self._with_remote(super().fill(session, tokens, layers), len(tokens))
         self.in_pass = False
         return taps
 
-    def chain_pass(self, inputs: mx.array, start: int):
-        self.channel.send(VERIFY, [len(self.cached_tokens)] + inputs.tolist())  # evaluates lazy drafts
+    def chain(self, session, forward, inputs, layers):
+        self.channel.send(VERIFY, [len(session.tokens)] + inputs.tolist())  # evaluates lazy drafts
         self.in_pass = True
-        return super().chain_pass(inputs, start)
+        return super().chain(session, forward, inputs, layers)
 
-    def _verify(self, context, draft):
-        with self.channel.watching("a verification pass"):
-            return super()._verify(context, draft)
+    def verifying(self):
+        return self.channel.watching("a verification pass")
+
+    def settled(self, taps, positions):
+        taps = self._with_remote(taps, positions)
+        self.in_pass = False
+        return taps
 
     def _with_remote(self, taps: Dict[int, mx.array], positions: int) -> Dict[int, mx.array]:
         if not self.remote:
@@ -358,22 +342,25 @@ class SplitEngine(Engine):
             ),
         }
 
-    def filled(self, chunk, taps, pieces) -> None:
-        super().filled(chunk, self._with_remote(taps, len(chunk)), pieces)
-        self.channel.rearm("a prefill pass")
+    def roll_back(self, session, length):
+        if length < len(session.tokens):  # else nothing to drop (a step that kept every draft)
+            self.channel.send(ROLLBACK, [len(session.tokens), length])
+        return super().roll_back(session, length)
 
-    def settle_chain(self, context, drafts, n_accepted, next_token, taps, logprobs=None):
-        taps = self._with_remote(taps, 1 + len(drafts))
-        self.in_pass = False
-        return super().settle_chain(context, drafts, n_accepted, next_token, taps, logprobs)
+    def reset(self):
+        # An error or Ctrl-C inside a pass leaves the others in it; a lost rank said so already.
+        if self.in_pass and not self.channel.broken:
+            self.channel.broken = True
+            raise RanksLost(
+                "a pass of the split target was interrupted, which leaves the ranks out of step: the run ends"
+            )
+        self.channel.send(RESET)
 
-    def _pass(self, pending):
-        reply = super()._pass(pending)
-        if self.kv_quantization and isinstance(pending, PendingVerification):
-            self.channel.send(QUANTIZE)  # as this rank did after the verification (a prefill's
-        return reply  # chunks quantize alike on every rank)
+    def quantize(self, session, quantization):
+        super().quantize(session, quantization)
+        self.channel.send(QUANTIZE)
 
-    def close(self) -> None:
+    def close(self):
         """Let the other ranks go (their `follow` returns); once, whoever calls it first (the
         thread running the engine, else the exit of the process)."""
         if not self.closed:
@@ -381,11 +368,32 @@ class SplitEngine(Engine):
             self.channel.send(STOP)
 
 
-def split_prefill_taps(engine) -> List[int]:
+def split_engine(target, drafter, channel: Channel, **settings) -> Engine:
+    """Rank 0's engine over a split target (Engine settings): one generation at a time; a tree
+    source verifies its chains."""
+    if settings.get("sessions"):
+        raise MlxSpecError(ONE_CONVERSATION)
+    if drafter is not None and drafter.tree:
+        drafter = drafter.chains()
+        if drafter is None:
+            raise MlxSpecError(
+                "this draft source drafts trees only, which a split target does not verify: "
+                "use its chains (--tree-budget 0) or another source"
+            )
+    if drafter is not None and drafter.verify_forward is not None:
+        raise MlxSpecError(
+            "this draft source runs the target's own layers on one process: with --sharding "
+            "use lookup, suffix, a draft model, EAGLE-3, DFlash, MTP or Medusa"
+        )
+    passes = SplitPasses(target, channel, drafter.taps if drafter is not None else ())
+    return Engine(target, drafter, passes=passes, **settings)
+
+
+def split_prefill_taps(drafter_taps: Sequence[int], target) -> List[int]:
     """A prefill evaluates the cache and the taps, and every rank must run the same collectives:
     with the last layer's output, whatever rank 0's drafter taps (under tensor sharding its
     final all_sum; a pipeline stage's last layer is in its cache's graph anyway)."""
-    return sorted(set(engine.drafter.taps) | {engine.target.num_layers - 1})
+    return sorted(set(drafter_taps) | {target.num_layers - 1})
 
 
 def tap_dtype(target):
@@ -393,36 +401,32 @@ def tap_dtype(target):
     return target.final_norm.weight.dtype
 
 
-class _Relay(NoDrafter):
-    """A follower's stand-in drafter: the layers whose outputs rank 0's drafter reads from it."""
-
-    def __init__(self):
-        self.taps = []
-
-
-class Follower(Engine):
-    """Another rank's engine: runs rank 0's orders on its shard of the target (the same Engine
-    code as rank 0's, so the same passes and collectives), and sends rank 0 the outputs of its
-    layers that rank 0's drafter reads."""
+class Follower:
+    """Another rank: runs rank 0's orders on its shard of the target through the same Session
+    operations as rank 0's engine (so the same passes and collectives), and sends rank 0 the
+    outputs of its layers that rank 0's drafter reads. settings: rank 0's engine settings (its
+    KV cache's among them)."""
 
     def __init__(self, target, channel: Channel, **settings):
-        super().__init__(target, _Relay(), **dict(settings, sessions=False))
-        self.channel = channel
+        self.target, self.channel = target, channel
+        self.kv_quantization = settings.get("kv_quantization")
+        self.max_kv_size = settings.get("max_kv_size")
+        self.session = self._new_session()
+        self.sends: List[int] = []  # the layers whose outputs rank 0's drafter reads from this rank
 
-    @property
-    def prefill_taps(self) -> Sequence[int]:
-        return split_prefill_taps(self)
-
-    def filled(self, chunk, taps, pieces) -> None:
-        super().filled(chunk, taps, pieces)
-        self.channel.send_taps(taps, self.drafter.taps, tap_dtype(self.target))
+    def _new_session(self) -> Session:
+        return Session(cache=make_cache(self.target.model, self.max_kv_size))
 
     def _in_step(self, held: int) -> None:
-        if held != len(self.cached_tokens):
+        if held != len(self.session.tokens):
             raise MlxSpecError(
                 f"rank {self.channel.group.rank()} is out of step with rank 0: its cache holds "
-                f"{len(self.cached_tokens)} tokens, rank 0's {held}"
+                f"{len(self.session.tokens)} tokens, rank 0's {held}"
             )
+
+    def _sent(self, tokens: List[int], taps: Dict[int, mx.array]) -> None:
+        self.session.add(tokens)
+        self.channel.send_taps(taps, self.sends, tap_dtype(self.target))
 
     def follow(self, plain: Optional[Callable[[List[int]], None]] = None) -> None:
         """Until rank 0 says STOP. plain: what a PLAIN order runs on every rank (the benchmark's
@@ -438,21 +442,25 @@ class Follower(Engine):
                 self._in_step(ints[0])
                 ints = ints[1:]
             if op == FILL:
-                self._fill(ints)
+                self._sent(
+                    ints, self.session.fill(self.target, ints, split_prefill_taps(self.sends, self.target))
+                )
             elif op == VERIFY:
-                logits, taps = self.chain_pass(mx.array(ints, mx.int32), len(self.cached_tokens))
-                mx.eval(logits, [c.state for c in self.cache], taps)
-                self.cached_tokens = self.cached_tokens + ints
-                self.channel.send_taps(taps, self.drafter.taps, tap_dtype(self.target))
+                logits, taps = self.session.chain_pass(
+                    self.target.forward, mx.array(ints, mx.int32), self.sends
+                )
+                mx.eval(logits, [c.state for c in self.session.cache], taps)
+                self._sent(ints, taps)
             elif op == ROLLBACK:
-                self._roll_back(ints[0])
+                if not self.session.roll_back(ints[0]):
+                    self.session = self._new_session()
             elif op == QUANTIZE:
-                self._quantize_if_due()
+                self.kv_quantization.apply(self.session.cache)
             elif op == RESET:
-                self.reset()
+                self.session = self._new_session()
             elif op == TAPS:
                 rank = self.channel.group.rank()
-                self.drafter.taps = [layer for r, layer in zip(ints[::2], ints[1::2]) if r == rank]
+                self.sends = [layer for r, layer in zip(ints[::2], ints[1::2]) if r == rank]
             else:
                 raise MlxSpecError(f"unknown order {op} from rank 0")
 
@@ -473,10 +481,10 @@ class SplitTarget:
             group, self.target, Watchdog(rank_timeout or RANK_TIMEOUT) if self.leader else None
         )
 
-    def engine(self, drafter, **settings) -> SplitEngine:
+    def engine(self, drafter, **settings) -> Engine:
         """Rank 0's engine; one refused (MlxSpecError) lets the others go first."""
         try:
-            return SplitEngine(self.target, drafter, self.channel, **settings)
+            return split_engine(self.target, drafter, self.channel, **settings)
         except MlxSpecError:
             try:
                 self.close()

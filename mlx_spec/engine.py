@@ -12,6 +12,7 @@ A generator closed at one of its events (a client gone, a `break`) leaves the ca
 consistent with what was committed, so the next call reuses it.
 """
 
+import contextlib
 import copy
 import secrets
 import time
@@ -59,6 +60,8 @@ class Session:
     tokens: List[int] = field(default_factory=list)
     cache: List[Any] = field(default_factory=list)
     taps: Dict[int, List[mx.array]] = field(default_factory=dict)  # layer -> pieces [1, n, H]
+    # What the last verification pass left for a roll-back of recurrent layers (cache.Replay).
+    replay: Optional[Replay] = field(default=None, repr=False)
 
     @property
     def nbytes(self) -> int:
@@ -72,6 +75,105 @@ class Session:
             copy.deepcopy(self.cache),
             {layer: list(pieces) for layer, pieces in self.taps.items()},
         )
+
+    def add(self, tokens: Sequence[int]) -> None:
+        """The cache now holds `tokens` too."""
+        self.tokens = self.tokens + list(tokens)
+
+    def record(self, taps: Dict[int, mx.array]) -> None:
+        """Keep the features [1, n, H] of the positions added last (engine(sessions=True))."""
+        for layer, h in taps.items():
+            self.taps.setdefault(layer, []).append(h)
+
+    def move_to(self, cache: List[Any]) -> None:
+        """The same positions, now held by `cache` (a batch's rows, or a row's own again)."""
+        self.cache = cache
+
+    def fill(self, target, tokens: List[int], layers: Sequence[int]) -> Dict[int, mx.array]:
+        """One prefill pass: the target over `tokens` after the cached ones, evaluated; the
+        outputs of `layers` [1, len(tokens), H]. The caller adds the tokens."""
+        self.replay = None  # a replay starts from the state before a verification pass
+        _, taps = target.forward(mx.array(tokens)[None], self.cache, layers)
+        mx.eval([c.state for c in self.cache], taps)
+        return taps
+
+    def begin_pass(self) -> Optional[Replay]:
+        """A verification pass starts after the cached tokens: what recurrent layers will need
+        to roll back (None where there are none)."""
+        self.replay = Replay(len(self.tokens)) if any(is_recurrent(c) for c in self.cache) else None
+        return self.replay
+
+    def chain_pass(self, forward: Callable, inputs: mx.array, layers: Sequence[int]):
+        """The verification pass over inputs [last token, drafts...] after the cached tokens
+        (forward: the target's, or a drafter's verify_forward): (logits, taps), lazy; the cache
+        then holds them all until a roll-back."""
+        replay = self.begin_pass()
+        with verification(self.cache):
+            return forward(inputs[None], self.cache, layers, replay=replay)
+
+    def roll_back(self, length: int) -> bool:
+        """Keep the first `length` cached positions; False where the cache cannot drop the rest
+        exactly (a window that moved past them, a recurrent state outside the last verification
+        pass): it must start again empty."""
+        if length < len(self.tokens) and not rollback_to(self.cache, length, self.replay):
+            return False
+        self.tokens = self.tokens[:length]
+        self.taps = {layer: _first_positions(pieces, length) for layer, pieces in self.taps.items()}
+        return True
+
+
+class Passes:
+    """Where the engine's passes over the target run: on this process (this class), or on a
+    target split over processes, whose other ranks are ordered to run each operation on their
+    shard first (distributed.SplitPasses). Every operation on the target's cache goes through
+    one; the engine calls these at the points named and nowhere else."""
+
+    def __init__(self, target):
+        self.target = target
+
+    def refusal(self, what: str) -> Optional[str]:
+        """Why an engine over these passes cannot do `what` (None: it can): "spawn" (more
+        engines over the target: a batch), "sessions" (keep or switch conversations), "resume"
+        (a prompt cache file)."""
+        return None
+
+    def start(self) -> None:
+        """A generation starts."""
+
+    def layers(self, drafter_taps: Sequence[int]) -> Sequence[int]:
+        """The layers a prefill pass evaluates (the drafter's taps among them)."""
+        return drafter_taps
+
+    def fill(self, session: Session, tokens: List[int], layers: Sequence[int]) -> Dict[int, mx.array]:
+        """One prefill pass (Session.fill): the taps of `layers`."""
+        return session.fill(self.target, tokens, layers)
+
+    def chain(self, session: Session, forward: Callable, inputs: mx.array, layers: Sequence[int]):
+        """A chain's verification pass (Session.chain_pass)."""
+        return session.chain_pass(forward, inputs, layers)
+
+    def verifying(self):
+        """A context around a whole verification: its pass and its verdict."""
+        return contextlib.nullcontext()
+
+    def settled(self, taps: Dict[int, mx.array], positions: int) -> Dict[int, mx.array]:
+        """The chain's verdict is known: its pass's taps of `positions` positions, with any that
+        other processes computed."""
+        return taps
+
+    def roll_back(self, session: Session, length: int) -> bool:
+        """Session.roll_back."""
+        return session.roll_back(length)
+
+    def reset(self) -> None:
+        """The cache is about to start again empty."""
+
+    def quantize(self, session: Session, quantization: KVQuantization) -> None:
+        """Quantize what is due in the cache (--kv-bits)."""
+        quantization.apply(session.cache)
+
+    def close(self) -> None:
+        """The engine is done (Engine.close)."""
 
 
 @dataclass(frozen=True)
@@ -154,6 +256,7 @@ class Engine:
         sessions: bool = False,
         kv_quantization: Optional[KVQuantization] = None,
         max_kv_size: Optional[int] = None,
+        passes: Optional[Passes] = None,
     ):
         """num_draft_tokens: the most drafts per step; adaptive: the policy decides how many
         (policy.py), else always that many. seed None: a fresh one (reported in the stats, so
@@ -162,7 +265,11 @@ class Engine:
         next draft would not pay, at the price of a sync per draft. sessions: keep what
         `detach`/`attach` need to switch between conversations (the drafter's taps).
         kv_quantization: mlx-lm's --kv-bits family (cache.KVQuantization); max_kv_size: its
-        --max-kv-size (cache.BoundedKVCache)."""
+        --max-kv-size (cache.BoundedKVCache). passes: where the target's passes run (Passes: on
+        this process)."""
+        self.passes = passes or Passes(target)
+        if sessions:
+            self._refuse("sessions")
         self.settings = dict(
             num_draft_tokens=num_draft_tokens,
             sampling=sampling,
@@ -210,23 +317,29 @@ class Engine:
             check_speculation(self.cache, target.model_type)
         if self.drafter.tree:
             check_tree(self.cache, target.model_type)
-        # Recurrent layers roll back by replaying the last verification pass (cache.Replay).
-        self.recurrent = any(is_recurrent(c) for c in self.cache)
+
+    def _refuse(self, what: str) -> None:
+        reason = self.passes.refusal(what)
+        if reason:
+            raise MlxSpecError(reason)
 
     def spawn(self) -> "Engine":
         """An engine over the same target and drafter weights, with the same settings and a
         state of its own (its policy starts from what this one has learned)."""
+        self._refuse("spawn")
         settings = dict(self.settings, policy=copy.deepcopy(self.policy))
         return type(self)(self.target, self.drafter.spawn(), **settings)
 
     def with_chain_drafts(self) -> Optional["Engine"]:
         """An engine with the same settings whose drafter drafts this source's chains (a batch
         verifies chains); None where the source drafts trees only."""
-        drafter = self.drafter.chains()
+        drafter = None if self.passes.refusal("spawn") else self.drafter.chains()
         return None if drafter is None else type(self)(self.target, drafter, **self.settings)
 
     def unbatchable(self) -> Optional[str]:
         """Why this engine's generations cannot share a target pass with others (None: they can)."""
+        if self.passes.refusal("spawn"):
+            return self.passes.refusal("spawn")
         if self.drafter.tree:
             return "tree drafts are verified one sequence at a time"
         if self.drafter.verify_forward is not None:
@@ -244,23 +357,21 @@ class Engine:
         """The tokens whose K/V are in the cache, in order."""
         return self.session.tokens
 
-    @cached_tokens.setter
-    def cached_tokens(self, tokens: List[int]) -> None:
-        self.session.tokens = tokens
-
     def _attach(self, session: Session) -> None:
         self.session = session
-        self.replay = None
 
     def reset(self) -> None:
+        self.passes.reset()
         self._attach(Session(cache=make_cache(self.target.model, self.max_kv_size)))
 
     def close(self) -> None:
-        """Done with the engine: let go of what it holds beyond memory (nothing, on one machine).
-        Called on the thread that runs it."""
+        """Done with the engine: let go of what it holds beyond memory (nothing, on one machine;
+        a split target's other ranks). Called on the thread that runs it."""
+        self.passes.close()
 
     def detach(self) -> Session:
         """Hand over the current conversation; the engine starts empty."""
+        self._refuse("sessions")
         session = self.session
         self.reset()
         return session
@@ -268,6 +379,7 @@ class Engine:
     def attach(self, session: Session) -> None:
         """Continue a conversation handed over by `detach` (engine(sessions=True), where the
         drafter reads the target's features); the drafter starts over on it."""
+        self._refuse("sessions")
         if self.drafter.taps and not self.keep_taps:
             raise MlxSpecError("this engine keeps no sessions: build it with sessions=True")
         self._attach(session)
@@ -278,6 +390,7 @@ class Engine:
         cache.read_prompt_cache): its n positions count as UNKNOWN_TOKEN, and a generate call's
         prompt is then [UNKNOWN_TOKEN] * n + what follows them. Returns n. Drafters that read the
         cached context (its features, or its tokens through a model) cannot continue it."""
+        self._refuse("resume")
         if self.drafter.reads_cached_context:
             raise MlxSpecError(
                 "a prompt cache file holds no tokens, which this draft source reads for the "
@@ -292,55 +405,38 @@ class Engine:
         return n
 
     def copy_session(self) -> Session:
+        self._refuse("sessions")
         return self.session.copy()
 
-    def _record_taps(self, taps: Dict[int, mx.array]) -> None:
-        """Append the features of newly cached positions to the session (engine(sessions=True))."""
-        if self.keep_taps:
-            for layer, h in taps.items():
-                self.session.taps.setdefault(layer, []).append(h)
-
     def _roll_back(self, length: int) -> None:
-        """Keep the first `length` cached positions. A cache that cannot drop the rest exactly
-        (a window that moved past them, a recurrent state outside the last verification pass,
-        which cache.Replay covers) starts again empty."""
-        if length < len(self.cached_tokens) and not rollback_to(self.cache, length, self.replay):
+        """Keep the first `length` cached positions; a cache that cannot drop the rest exactly
+        starts again empty."""
+        if not self.passes.roll_back(self.session, length):
             self.reset()
-        self.cached_tokens = self.cached_tokens[:length]
-        if self.keep_taps:
-            self.session.taps = {
-                layer: _first_positions(pieces, length) for layer, pieces in self.session.taps.items()
-            }
 
     def _fill(self, tokens: List[int]):
         """Run the target over the tokens not yet cached (in chunks), so that the cache holds
         `tokens`; the taps of the positions it ran."""
         pieces = {}
-        self.replay = None  # it replays from the state before the verification pass
+        layers = self.passes.layers(self.drafter.taps)
         for i in range(len(self.cached_tokens), len(tokens), PREFILL_CHUNK):
             chunk = tokens[i : min(i + PREFILL_CHUNK, len(tokens))]
-            _, taps = self.target.forward(mx.array(chunk)[None], self.cache, self.prefill_taps)
-            mx.eval([c.state for c in self.cache], taps)
-            self.filled(chunk, taps, pieces)
+            self.filled(chunk, self.passes.fill(self.session, chunk, layers), pieces)
             self._quantize_if_due()
         return {layer: mx.concatenate(hs, axis=1) for layer, hs in pieces.items()}
 
-    @property
-    def prefill_taps(self) -> Sequence[int]:
-        """The layers whose outputs a prefill pass evaluates (and hands the drafter)."""
-        return self.drafter.taps
-
     def _quantize_if_due(self) -> None:
         if self.kv_quantization:
-            self.kv_quantization.apply(self.cache)
+            self.passes.quantize(self.session, self.kv_quantization)
 
     def filled(self, chunk: List[int], taps: Dict[int, mx.array], pieces: Dict[int, list]) -> None:
         """The cache now holds `chunk` too (a prefill pass, here or a batch's); its taps
         [1, len(chunk), H] join `pieces`."""
         for layer, h in taps.items():
             pieces.setdefault(layer, []).append(h)
-        self.cached_tokens += chunk
-        self._record_taps(taps)
+        self.session.add(chunk)
+        if self.keep_taps:
+            self.session.record(taps)
 
     def _select(self, proposal: Draft, tic: float) -> List[int]:
         """Indices of the proposed drafts that the policy finds worth verifying. Evaluating
@@ -360,24 +456,23 @@ class Engine:
         # evaluated together with the verification.
         drafts = draft.tokens if isinstance(draft.tokens, mx.array) else mx.array(draft.tokens, mx.int32)
         inputs = mx.concatenate([mx.array(context[-1:], mx.int32), drafts])
-        start = len(context) - 1
         if draft.parents is None:
-            logits, taps = self.chain_pass(inputs, start)
+            logits, taps = self.chain_pass(inputs)
             logits = self.processed(logits[0], context, drafts)
             decision = verify_chain(logits, drafts, draft.q, self.sampler, len(context))
             logprobs = self.chain_logprobs(logits, drafts, decision)
             mx.eval(decision, drafts)
             return self.settle_chain(context, drafts.tolist(), *decision.tolist(), taps, logprobs)
-        self.replay = Replay(start) if self.recurrent else None
+        start, replay = len(context) - 1, self.session.begin_pass()
         tree = Tree(draft.parents)
-        logits, taps = tree_forward(self.target, inputs, tree, self.cache, self.drafter.taps, self.replay)
+        logits, taps = tree_forward(self.target, inputs, tree, self.cache, self.drafter.taps, replay)
         logits = self.processed(logits[0], context, drafts, tree)
         mx.eval(logits, drafts)
         drafts = drafts.tolist()
         nodes, next_token = verify_tree(logits, drafts, tree, self.sampler, draft.q, len(context))
-        compact(self.cache, start, nodes, len(tree), self.replay)
+        compact(self.cache, start, nodes, len(tree), replay)
         path = [node - 1 for node in nodes[1:]]
-        self.cached_tokens = context + [drafts[i] for i in path]
+        self.session.add(context[-1:] + [drafts[i] for i in path])
         verdict = self._kept(context, drafts, path, next_token, taps, mx.array(nodes))
         if self.options.logprobs is not None:
             tokens = mx.array([drafts[i] for i in path] + [next_token])
@@ -417,13 +512,11 @@ class Engine:
         tokens = mx.where(rows == decision[0], decision[1], mx.concatenate([drafts, decision[1:2]]))
         return self.logprob_rows(logits, tokens)
 
-    def chain_pass(self, inputs: mx.array, start: int):
-        """The target's pass over inputs [last token, drafts...] at positions start..: (logits,
-        taps); the cache then holds them all, and a later roll-back replays recurrent layers."""
-        self.replay = Replay(start) if self.recurrent else None
+    def chain_pass(self, inputs: mx.array):
+        """The target's pass over inputs [last token, drafts...] after the cached tokens:
+        (logits, taps), lazy."""
         forward = self.drafter.verify_forward or self.target.forward
-        with verification(self.cache):
-            return forward(inputs[None], self.cache, self.drafter.taps, replay=self.replay)
+        return self.passes.chain(self.session, forward, inputs, self.drafter.taps)
 
     def settle_chain(
         self,
@@ -437,7 +530,8 @@ class Engine:
         """After a pass over [context[-1]] + drafts (and whatever padding followed them, in a
         batch): keep the accepted drafts in the cache, drop the rest. taps: [1, width, H];
         logprobs: chain_logprobs' rows (None: not asked)."""
-        self.cached_tokens = context + drafts
+        taps = self.passes.settled(taps, 1 + len(drafts))
+        self.session.add(context[-1:] + drafts)
         path = list(range(n_accepted))
         self._roll_back(len(context) + n_accepted)
         verdict = self._kept(context, drafts, path, next_token, taps, slice(0, n_accepted + 1))
@@ -449,8 +543,8 @@ class Engine:
         if len(self.cached_tokens) < len(context) + len(path):
             # The cache had to start again: fill it with the committed tokens (exact, slow).
             self._fill(context + [drafts[i] for i in path])
-        else:
-            self._record_taps(kept)
+        elif self.keep_taps:
+            self.session.record(kept)
         return Verdict(drafts, path, next_token, kept)
 
     def _step(self, context: List[int]):
@@ -537,7 +631,8 @@ class Engine:
         if isinstance(pending, PendingPrefill):
             return self._fill(pending.tokens)
         tic = time.perf_counter()
-        verdict = self._verify(pending.context, pending.draft)
+        with self.passes.verifying():
+            verdict = self._verify(pending.context, pending.draft)
         self._quantize_if_due()
         verdict.seconds = time.perf_counter() - tic
         return verdict
@@ -554,6 +649,7 @@ class Engine:
         """generate as a coroutine that leaves the target's passes to its caller: it yields
         generate's events, a PendingPrefill (to be sent the taps) and, at each step, a
         PendingVerification (to be sent the Verdict)."""
+        self.passes.start()
         prompt = list(prompt)
         self._check(prompt, max_tokens)
         self.sampler.params = (sampling or self.sampling).check(self.target.vocab_size)

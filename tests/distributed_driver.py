@@ -15,7 +15,7 @@ import mlx_spec  # noqa: F401  (first: it loads OpenBLAS before mlx.core does an
 import mlx.core as mx
 
 from mlx_spec.cache import KVQuantization
-from mlx_spec.distributed import STOP, Channel, Follower, SplitEngine, Watchdog, init_group, shard_model
+from mlx_spec.distributed import STOP, Channel, Follower, Watchdog, init_group, shard_model, split_engine
 from mlx_spec.errors import MlxSpecError
 from mlx_spec.models.target import Target
 from mlx_spec.sampling import SamplingParams
@@ -149,7 +149,7 @@ def main(arch, sharding, out, workdir):
     results = {"mlx_lm": reference, "cases": {}, "refused": {}}
     for name, make in drafters(target, workdir, mtp_path).items():
         try:
-            engine = SplitEngine(target, recording(make()), channel, num_draft_tokens=4, adaptive=False)
+            engine = split_engine(target, recording(make()), channel, num_draft_tokens=4, adaptive=False)
         except MlxSpecError as e:
             results["refused"][name] = str(e)
             continue
@@ -169,7 +169,7 @@ def main(arch, sharding, out, workdir):
         )
     channel.send(STOP)
     if quantized is not None:
-        engine = SplitEngine(target, None, channel, kv_quantization=kv_quantization)
+        engine = split_engine(target, None, channel, kv_quantization=kv_quantization)
         results["kv_bits"] = dict(mlx_lm=quantized, mlx_spec=run(engine, PROMPT, TOKENS)[0])
         channel.send(STOP)
     Path(out).write_text(json.dumps(results))

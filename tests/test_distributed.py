@@ -295,9 +295,34 @@ def test_a_lost_rank_ends_the_run_in_one_line(how, chat_model, tmp_path):
     ) in ours[0]
 
 
+def test_sharding_auto_says_which_and_why():
+    """Tensor where the heads split evenly over the ranks, else pipeline stages, else one line."""
+    from mlx_spec.distributed import choose_sharding
+    from mlx_spec.errors import MlxSpecError
+    from tiny import tiny_config, tiny_model
+
+    even = tiny_config("llama", num_attention_heads=8, num_key_value_heads=4, hidden_size=64)
+    assert choose_sharding(tiny_model(even), even, 2) == (
+        "tensor",
+        "its attention heads split evenly over 2 ranks",
+    )
+    odd = tiny_config("qwen2", num_attention_heads=9, num_key_value_heads=3, hidden_size=72)
+    assert choose_sharding(tiny_model(odd), odd, 2) == (
+        "pipeline",
+        "its num_attention_heads (9) is not a multiple of the 2 ranks",
+    )
+    odd_llama = dict(odd, model_type="llama")
+    with pytest.raises(
+        MlxSpecError,
+        match="cannot split this llama model: its num_attention_heads .9. is not a "
+        "multiple of the 2 ranks, and mlx-lm has no pipeline stages for it",
+    ):
+        choose_sharding(tiny_model(odd_llama), odd_llama, 2)
+
+
 def test_refusals_before_the_first_token(tmp_path):
     """What cannot run split is refused in one line (no ranks needed to tell)."""
-    from mlx_spec.distributed import Channel, SplitEngine, init_group, shard_model
+    from mlx_spec.distributed import Channel, init_group, shard_model, split_engine
     from mlx_spec.errors import MlxSpecError
     from tiny import tiny_config, tiny_model
 
@@ -325,10 +350,10 @@ def test_refusals_before_the_first_token(tmp_path):
     channel = Channel(TwoRanks(), [range(0, 2), range(0, 2)])
     channel.broken = True  # nothing may be sent: these are refused before any order
     with pytest.raises(MlxSpecError, match="keeps one conversation"):
-        SplitEngine(target, None, channel, sessions=True)
+        split_engine(target, None, channel, sessions=True)
     with pytest.raises(MlxSpecError, match="runs the target's own layers"):
-        SplitEngine(target, LayerSkipDrafter(target, 1), channel)
-    engine = SplitEngine(target, None, channel)
+        split_engine(target, LayerSkipDrafter(target, 1), channel)
+    engine = split_engine(target, None, channel)
     with pytest.raises(MlxSpecError, match="does not run with --sharding"):
         engine.resume([])
     # A pass interrupted on rank 0 (an error, a second Ctrl-C) leaves the others inside it: fatal,
@@ -336,14 +361,14 @@ def test_refusals_before_the_first_token(tmp_path):
     from mlx_spec.errors import RanksLost
 
     channel.broken = False
-    engine.in_pass = True
+    engine.passes.in_pass = True
     with pytest.raises(RanksLost, match="out of step"):
         engine.reset()
     assert channel.broken
     with pytest.raises(RanksLost, match="lost a rank earlier"):
         list(engine.generate([1, 2, 3], max_tokens=2))
     # ... but a pass that broke because a rank was lost says that, not "interrupted".
-    engine.in_pass = True
+    engine.passes.in_pass = True
     engine.reset()
 
     # bench over a split target times one generation at a time, by the seeded rule.
@@ -380,7 +405,7 @@ def test_refusals_before_the_first_token(tmp_path):
     far = Channel(FourRanks(), [range(3, 4), range(2, 3), range(1, 2), range(0, 1)])
     far.broken = True
     with pytest.raises(MlxSpecError, match="pipeline rank 2 of 4 holds"):
-        SplitEngine(target, Tapping(), far)
+        split_engine(target, Tapping(), far)
 
     from click.testing import CliRunner
 
