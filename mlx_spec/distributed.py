@@ -3,8 +3,8 @@ mlx-lm's own sharding (`model.shard`: tensor parallel; `model.model.pipeline`: p
 
 Rank 0 owns everything but the target's other shards: the tokenizer, the prompt, the drafter,
 the sampler and the output. Each operation that touches the target's cache is sent to the
-other ranks first (an order: an op code and ints, broadcast by an all_sum to which they add
-zeros), then run by every rank alike: a prefill, a verification pass, a roll-back, a reset, a
+other ranks first (an order: an op code and ints, passed down the chain of ranks, so that rank
+0 never waits for it to arrive), then run by every rank alike: a prefill, a verification pass, a roll-back, a reset, a
 --kv-bits quantization. A rank runs the same passes over the same tokens, so every collective
 inside the model meets its partner; the verdict is rank 0's alone, and a roll-back carries its
 result. Between passes only orders cross, and under pipeline stages the outputs of the layers
@@ -147,8 +147,9 @@ class Watchdog:
 
 
 class Channel:
-    """Rank 0's orders to the other ranks: [op, n, ints...] in one all_sum (a second one for
-    ints past the first FRAME), on the CPU stream as mlx-lm's collectives outside the model;
+    """Rank 0's orders to the other ranks: [op, n, ints...] passed down the chain of ranks (a
+    second message for ints past the first FRAME), on the CPU stream as mlx-lm's collectives
+    outside the model;
     and the outputs of layers other ranks hold, sent to rank 0 after a pass. `stages`: the
     layers each rank holds (Channel.connect)."""
 
@@ -184,15 +185,28 @@ class Channel:
         mx.eval(out)
         return out.tolist()
 
+    def _pass_on(self, values: Optional[List[int]], n: int) -> List[int]:
+        """Rank 0's `values` (n int32) on every rank, down the chain 0 -> 1 -> ... -> size-1 (a
+        ring's ranks send only to their neighbours): rank 0 does not wait for it to arrive, and
+        rank r has it after r one-way latencies (an all_sum would cost rank 0 a round trip)."""
+        rank, size = self.group.rank(), self.group.size()
+        if rank == 0:
+            mx.eval(mx.distributed.send(mx.array(values, mx.int32), 1, group=self.group, stream=mx.cpu))
+            return values
+        received = mx.distributed.recv((n,), mx.int32, rank - 1, group=self.group, stream=mx.cpu)
+        if rank + 1 < size:
+            received = mx.distributed.send(received, rank + 1, group=self.group, stream=mx.cpu)
+        mx.eval(received)
+        return received.tolist()
+
     def _exchange(self, op: int, ints: Sequence[int]) -> Tuple[int, List[int]]:
+        """An order [op, n, ints...] from rank 0, in a frame of FRAME ints (and a second message
+        for the ints past it)."""
         ints = list(ints)
         frame = [op, len(ints)] + ints[: self.FRAME] + [0] * (self.FRAME - len(ints[: self.FRAME]))
-        if not self.leader:
-            frame = [0] * len(frame)
-        op, n, *payload = self._all_sum(frame)
+        op, n, *payload = self._pass_on(frame if self.leader else None, len(frame))
         if n > self.FRAME:
-            rest = ints[self.FRAME :] if self.leader else [0] * (n - self.FRAME)
-            payload += self._all_sum(rest)
+            payload += self._pass_on(ints[self.FRAME :] if self.leader else None, n - self.FRAME)
         return op, payload[:n]
 
     def send(self, op: int, ints: Sequence[int] = ()) -> None:
