@@ -1,12 +1,14 @@
+import importlib
+import re
 import sys
-from dataclasses import replace
+from dataclasses import fields, replace
 from pathlib import Path
 
 import click
 
 from ..drafters import trainers
-from ..models.checkpoint import FLOAT_DTYPES
-from .common import echo_err, reports_errors
+from ..train.loop import LoopOptions
+from .common import apply, echo_err, reports_errors
 
 
 @click.group(
@@ -187,157 +189,73 @@ def vocab(data_dir, drafter_dir, size, vocab_size):
     )
 
 
-def _int_list(ctx, param, value):
-    if value is None:
-        return None
-    try:
-        return [int(v) for v in value.replace(",", " ").split()]
-    except ValueError:
-        raise click.BadParameter(f"expected comma-separated integers, got {value!r}") from None
+class IntList(click.ParamType):
+    """Comma-separated integers: "2,15,27"."""
+
+    name = "INTS"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, list):
+            return value
+        try:
+            return [int(v) for v in value.replace(",", " ").split()]
+        except ValueError:
+            self.fail(f"expected comma-separated integers, got {value!r}", param, ctx)
 
 
 KINDS = tuple(trainers())  # the sources with a trainer (drafters.DRAFTERS)
 
 
-def _options_class(kind: str):
-    """The options class of the trainer of `kind`: its module's OPTIONS."""
-    import importlib
-
-    return importlib.import_module(f"mlx_spec.train.{trainers()[kind]}").OPTIONS
+def _trainer(kind: str):
+    """The Trainer class of `kind`: its module's TRAINER."""
+    return importlib.import_module(f"mlx_spec.train.{trainers()[kind]}").TRAINER
 
 
-def _default(name: str, kinds=KINDS) -> str:
-    """The default of option `name`, as the options classes have it: "[4]", or per kind where
-    they differ ("[eagle 4, dflash 2, ...]")."""
-    values = {kind: getattr(_options_class(kind)(), name) for kind in kinds}
-    if len(set(map(str, values.values()))) == 1:
-        return f"[{next(iter(values.values()))}]"
-    return "[" + ", ".join(f"{kind} {value}" for kind, value in values.items()) + "]"
+def options_of(options_class):
+    """The click options of a trainer's options class, from its fields (flags, help, types and
+    defaults are read there; a field a trainer redefines for another default keeps the help of
+    LoopOptions')."""
+    shared = {f.name: f.metadata for f in fields(LoopOptions)}
+    decorators = []
+    for f in fields(options_class):
+        meta = f.metadata or shared[f.name]
+        settings = dict(default=f.default, help=meta["help"], show_default=f.default is not None)
+        if meta["type"]:
+            name, *arguments = meta["type"]
+            kind = IntList if name == "IntList" else getattr(click, name)
+            settings["type"] = kind(*arguments) if arguments or name == "IntList" else kind
+        decorators.append(click.option(meta["flag"] or "--" + f.name.replace("_", "-"), f.name, **settings))
+    return decorators
 
 
-def training_options(f):
-    """What every `train` command shares. Option defaults are None: the options class of the
-    kind holds the defaults (LoopOptions.given), which the help shows."""
-    options = [
-        click.option(
-            "--model",
-            "--target",
-            "model_path",
-            default=None,
-            help="Target model: a directory or a Hugging Face repo id (default: the embedded model).",
-        ),
-        click.option("--data", "data_dir", required=True, help="Output of `mlx-spec train data`."),
-        click.option(
-            "--out",
-            "out_dir",
-            required=True,
-            help="Drafter directory: the published checkpoint, checkpoint/ (to resume), "
-            "features/ (the target's cached features), train_log.jsonl.",
-        ),
-        click.option(
-            "--steps",
-            type=click.IntRange(1),
-            default=None,
-            help=f"Optimizer steps in all (a resumed run continues up to it) {_default('steps')}.",
-        ),
-        click.option(
-            "--batch-size",
-            "--batch",
-            type=click.IntRange(1),
-            default=None,
-            help=f"Sequences per step {_default('batch_size')}.",
-        ),
-        click.option(
-            "--lr",
-            type=click.FloatRange(min=0, min_open=True),
-            default=None,
-            help=f"Peak AdamW learning rate {_default('lr')}.",
-        ),
-        click.option(
-            "--warmup",
-            type=click.IntRange(0),
-            default=None,
-            help=f"Linear warmup steps, then cosine decay to lr/10 {_default('warmup')}.",
-        ),
-        click.option(
-            "--weight-decay",
-            type=click.FloatRange(0),
-            default=None,
-            help=f"AdamW weight decay {_default('weight_decay')}.",
-        ),
-        click.option(
-            "--max-length",
-            type=click.IntRange(4),
-            default=None,
-            help=f"Longest sequence (prompt + response) in tokens {_default('max_length')}.",
-        ),
-        click.option(
-            "--save-every",
-            type=click.IntRange(0),
-            default=None,
-            help=f"Checkpoint every N steps (0: only at the end) {_default('save_every')}.",
-        ),
-        click.option("--resume", is_flag=True, help="Continue from OUT/checkpoint."),
-        click.option(
-            "--init",
-            default=None,
-            help="Start from this published drafter's weights (a directory or a repo id, e.g. a "
-            "shipped one); its shape and taps win over the shape options.",
-        ),
-        click.option(
-            "--max-minutes",
-            type=click.FloatRange(0),
-            default=None,
-            help="Stop after this many minutes of training, checkpointed (0: no limit); "
-            f"--resume continues {_default('max_minutes')}.",
-        ),
-        click.option(
-            "--seed",
-            type=int,
-            default=None,
-            help=f"Initial weights, batch order and anchors {_default('seed')}.",
-        ),
-        click.option(
-            "--dtype",
-            default="auto",
-            show_default=True,
-            help="Target dtype (auto: float32 on the CPU). The drafter trains in float32.",
-        ),
-        click.option(
-            "--save-dtype",
-            type=click.Choice(list(FLOAT_DTYPES)),
-            default=None,
-            help=f"dtype of the published weights {_default('save_dtype')}.",
-        ),
-        click.option(
-            "--feature-cache",
-            default=None,
-            help="Directory for the target's features (default: OUT/features).",
-        ),
-        click.option(
-            "--eval-every",
-            type=click.IntRange(0),
-            default=None,
-            help="Every N steps (and before the first, and at the end) log the drafter's tau at 4 "
-            "drafts on the data's held-out prompts to OUT/train_log.jsonl (0: never) "
-            f"{_default('eval_every')}.",
-        ),
-        click.option(
-            "--eval-prompts",
-            type=click.IntRange(1),
-            default=None,
-            help=f"Held-out prompts per evaluation, 32 tokens each {_default('eval_prompts')}.",
-        ),
-        click.option(
-            "--eval-data",
-            default=None,
-            help="Take the held-out prompts from this `train data` directory instead of --data "
-            "(runs on different data, evaluated on the same prompts).",
-        ),
-    ]
-    for option in reversed(options):
-        f = option(f)
-    return f
+# What every `train KIND` command takes besides its options class's fields.
+RUN_OPTIONS = [
+    click.option(
+        "--model",
+        "--target",
+        "model_path",
+        default=None,
+        help="Target model: a directory or a Hugging Face repo id (default: the embedded model).",
+    ),
+    click.option("--data", "data_dir", required=True, help="Output of `mlx-spec train data`."),
+    click.option(
+        "--out",
+        "out_dir",
+        required=True,
+        help="Drafter directory: the published checkpoint, checkpoint/ (to resume), "
+        "features/ (the target's cached features), train_log.jsonl.",
+    ),
+    click.option("--resume", is_flag=True, help="Continue from OUT/checkpoint."),
+    click.option(
+        "--dtype",
+        default="auto",
+        show_default=True,
+        help="Target dtype (auto: float32 on the CPU). The drafter trains in float32.",
+    ),
+    click.option(
+        "--feature-cache", default=None, help="Directory for the target's features (default: OUT/features)."
+    ),
+]
 
 
 class _Bars:
@@ -373,13 +291,14 @@ class _Bars:
                 setattr(self, name, None)
 
 
-def _run_training(kind, train_fn, model_path, data_dir, out_dir, dtype, resume, feature_cache, **given):
+def _run_training(kind, model_path, data_dir, out_dir, dtype, resume, feature_cache, **given):
     from ..api import model_path as resolve_model
     from ..hub import resolve
     from ..models.target import load_target
-    from ..train.loop import load_sequences, resume_step, used_indices
+    from ..train.loop import load_sequences, resume_step, train, used_indices
 
-    options = _options_class(kind).given(**given)
+    trainer = _trainer(kind)
+    options = trainer.options_class.given(**given)
     sequences = load_sequences(data_dir, options.max_length)  # data errors before the target loads
     start = resume_step(out_dir, resume) if Path(out_dir).is_dir() else 0
     target = load_target(resolve_model(model_path), dtype)
@@ -388,11 +307,10 @@ def _run_training(kind, train_fn, model_path, data_dir, out_dir, dtype, resume, 
     n = len(used_indices(len(sequences), options.batch_size, start, options.steps, options.seed))
     bars = _Bars(n, options.steps, start, kind)
     try:
-        result = train_fn(
-            target,
+        result = train(
+            trainer(target, options),
             data_dir,
             out_dir,
-            options,
             resume=resume,
             feature_dir=feature_cache or "default",
             progress=bars.step,
@@ -404,132 +322,20 @@ def _run_training(kind, train_fn, model_path, data_dir, out_dir, dtype, resume, 
     echo_err(f"{result.step} steps{last} -> {result.path}")
 
 
-labels_option = click.option(
-    "--labels",
-    type=click.Choice(["hard", "soft"]),
-    default=None,
-    help="hard: the data's next tokens; soft: the target's distribution at each position (from its "
-    f"cached last-layer features; any text then teaches what the target would write) {_default('labels', ['eagle', 'mtp'])}.",
-)
+def _command(kind: str) -> click.Command:
+    """`mlx-spec train KIND`: its help is its trainer's docstring, its options its options
+    class's fields and RUN_OPTIONS."""
+    trainer = _trainer(kind)
+
+    def run(**given):
+        _run_training(kind, **given)
+
+    run.__doc__ = trainer.__doc__
+    summary = re.sub(r" \([^)]*\)", "", " ".join(trainer.__doc__.split()).split(". ")[0]).rstrip(".") + "."
+    return click.command(kind, short_help=summary)(
+        apply(reports_errors(run), RUN_OPTIONS + options_of(trainer.options_class))
+    )
 
 
-@train.command("eagle", short_help="Train an EAGLE-3 draft layer against the frozen target.")
-@training_options
-@labels_option
-@click.option(
-    "--ttt-steps",
-    type=click.IntRange(1),
-    default=None,
-    help=f"Training-time test: steps the layer runs on its own outputs {_default('ttt_steps', ['eagle'])}.",
-)
-@click.option(
-    "--draft-vocab-size",
-    type=click.IntRange(1),
-    default=None,
-    help=f"Draft head size: the most frequent target tokens of the data {_default('draft_vocab_size', ['eagle'])}.",
-)
-@click.option(
-    "--layer-ids",
-    callback=_int_list,
-    default=None,
-    help="Fused target layers, EAGLE's convention (inputs of layers), e.g. 2,15,27 (default: 2, N//2, N-3).",
-)
-@reports_errors
-def eagle(**given):
-    """Train an EAGLE-3 draft layer (SafeAILab layout) against a frozen target."""
-    from ..train.eagle import train_eagle
-
-    _run_training("eagle", train_eagle, **given)
-
-
-@train.command("dflash", short_help="Train a DFlash drafter against the frozen target.")
-@training_options
-@click.option(
-    "--layers", type=click.IntRange(1), default=None, help=f"Drafter layers {_default('layers', ['dflash'])}."
-)
-@click.option(
-    "--block-size",
-    type=click.IntRange(2),
-    default=None,
-    help="Tokens per block: the anchor and the positions drafted from it in one pass "
-    f"{_default('block_size', ['dflash'])}.",
-)
-@click.option(
-    "--target-layers",
-    callback=_int_list,
-    default=None,
-    help="Tapped target layers (output of layer i), e.g. 1,8,14,20,27 (default: spread "
-    "from 1 to N-3, one per drafter layer, as z-lab).",
-)
-@click.option(
-    "--blocks",
-    "blocks_per_sequence",
-    type=click.IntRange(1),
-    default=None,
-    help=f"Blocks (random anchors in the response) per sequence {_default('blocks_per_sequence', ['dflash'])}.",
-)
-@click.option(
-    "--decay",
-    type=click.FloatRange(min=0, min_open=True),
-    default=None,
-    help=f"Loss weight of block position i: exp(-(i-1)/decay) {_default('decay', ['dflash'])}.",
-)
-@click.option(
-    "--mask-token-id",
-    type=click.IntRange(0),
-    default=None,
-    help="Token of the masked block positions (default: the tokenizer's unk token).",
-)
-@reports_errors
-def dflash(**given):
-    """Train a DFlash drafter (z-lab layout) against a frozen target."""
-    from ..train.dflash import train_dflash
-
-    _run_training("dflash", train_dflash, **given)
-
-
-@train.command("mtp", short_help="Train an MTP module (DeepSeek-V3 layout) against the frozen target.")
-@training_options
-@click.option(
-    "--ttt-steps",
-    type=click.IntRange(1),
-    default=None,
-    help=f"Training-time test: depths the module runs on its own outputs {_default('ttt_steps', ['mtp'])}.",
-)
-@labels_option
-@reports_errors
-def mtp(**given):
-    """Train an MTP module (DeepSeek-V3 layout: one decoder layer of the target's class, sharing
-    its embedding and output layer) against a frozen Llama-family target."""
-    from ..train.mtp import train_mtp
-
-    _run_training("mtp", train_mtp, **given)
-
-
-@train.command("medusa", short_help="Train compact Medusa heads against the frozen target.")
-@training_options
-@click.option(
-    "--heads",
-    type=click.IntRange(1),
-    default=None,
-    help=f"Heads: head i drafts the token i + 2 positions after the last verified one {_default('heads', ['medusa'])}.",
-)
-@click.option(
-    "--layers",
-    type=click.IntRange(0),
-    default=None,
-    help=f"Residual blocks per head {_default('layers', ['medusa'])}.",
-)
-@click.option(
-    "--rows-per-head",
-    type=click.IntRange(1),
-    default=None,
-    help=f"Labelled positions per head and step (the target's output layer is the cost) {_default('rows_per_head', ['medusa'])}.",
-)
-@reports_errors
-def medusa(**given):
-    """Train compact Medusa heads (FasterDecoding's layout, sharing the target's output layer)
-    against a frozen target."""
-    from ..train.medusa import train_medusa
-
-    _run_training("medusa", train_medusa, **given)
+for _kind in KINDS:
+    train.add_command(_command(_kind))

@@ -24,6 +24,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
+from ..config import setting
 from ..drafters.dflash import DFlashDrafter
 from ..errors import MlxSpecError
 from ..models.dflash import ARCHITECTURE, DFlashModel, ModelArgs, load_dflash, spread_layer_ids
@@ -44,15 +45,29 @@ from .loop import (
 class DFlashOptions(LoopOptions):
     batch_size: int = 2
     lr: float = 6e-4
-    layers: int = 2
-    block_size: int = 16
-    target_layers: Optional[List[int]] = None  # taps (output of layer i); None: z-lab's spread
-    blocks_per_sequence: int = 32
-    decay: float = 7.0  # loss weight of block position i: exp(-(i-1)/decay)
-    mask_token_id: Optional[int] = None  # None: see default_mask_token_id
-
-
-OPTIONS = DFlashOptions  # what `mlx-spec train dflash` reads (cli/train.py)
+    layers: int = setting(2, "Drafter layers.", type=("IntRange", 1))
+    block_size: int = setting(
+        16,
+        "Tokens per block: the anchor and the positions drafted from it in one pass.",
+        type=("IntRange", 2),
+    )
+    target_layers: Optional[List[int]] = setting(
+        None,
+        "Tapped target layers (output of layer i), e.g. 1,8,14,20,27 (default: spread from 1 to N-3, "
+        "one per drafter layer, as z-lab).",
+        type=("IntList",),
+    )
+    blocks_per_sequence: int = setting(
+        32, "Blocks (random anchors in the response) per sequence.", flag="--blocks", type=("IntRange", 1)
+    )
+    decay: float = setting(
+        7.0, "Loss weight of block position i: exp(-(i-1)/decay).", type=("FloatRange", 0, None, True)
+    )
+    mask_token_id: Optional[int] = setting(
+        None,
+        "Token of the masked block positions (default: the tokenizer's unk token).",
+        type=("IntRange", 0),
+    )
 
 
 # --- pieces (unit-tested) ----------------------------------------------------------------------
@@ -290,7 +305,10 @@ def save_dflash(model: DFlashModel, target, path, dtype: str = "float32") -> Pat
 
 
 class DFlashTrainer(Trainer):
+    """Train a DFlash drafter (z-lab layout) against a frozen target."""
+
     kind = "dflash"
+    options_class = DFlashOptions
 
     def check(self):
         o = self.options
@@ -348,3 +366,6 @@ class DFlashTrainer(Trainer):
 def train_dflash(target, data_dir, out_dir, options: Optional[DFlashOptions] = None, **run) -> TrainResult:
     """Train a DFlash drafter for `target` (z-lab's layout in out_dir); run: as loop.train's."""
     return train(DFlashTrainer(target, options or DFlashOptions()), data_dir, out_dir, **run)
+
+
+TRAINER = DFlashTrainer  # what `mlx-spec train dflash` runs (cli/train.py)

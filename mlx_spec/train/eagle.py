@@ -29,6 +29,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
+from ..config import setting
 from ..drafters.eagle import EagleDrafter
 from ..errors import MlxSpecError
 from ..models import vocabulary
@@ -44,17 +45,29 @@ from .loop import (
     write_checkpoint,
 )
 
+LABELS_HELP = (
+    "hard: the data's next tokens; soft: the target's distribution at each position (from its cached "
+    "last-layer features; any text then teaches what the target would write)."
+)
+
 
 @dataclass
 class EagleOptions(LoopOptions):
-    ttt_steps: int = 7  # EAGLE-3's training-time test length
-    ttt_decay: float = 0.8  # weight of step j's loss: ttt_decay ** j
-    draft_vocab_size: int = 8192
-    layer_ids: Optional[List[int]] = None  # EAGLE's convention (layer inputs); None: 2, N//2, N-3
-    labels: str = "hard"  # hard: the data's next tokens; soft: the target's distribution there
-
-
-OPTIONS = EagleOptions  # what `mlx-spec train eagle` reads (cli/train.py)
+    ttt_steps: int = setting(
+        7, "Training-time test: steps the layer runs on its own outputs.", type=("IntRange", 1)
+    )
+    ttt_decay: float = setting(
+        0.8, "Weight of step j's loss: ttt_decay ** j.", type=("FloatRange", 0, None, True)
+    )
+    draft_vocab_size: int = setting(
+        8192, "Draft head size: the most frequent target tokens of the data.", type=("IntRange", 1)
+    )
+    layer_ids: Optional[List[int]] = setting(
+        None,
+        "Fused target layers, EAGLE's convention (inputs of layers), e.g. 2,15,27 (default: 2, N//2, N-3).",
+        type=("IntList",),
+    )
+    labels: str = setting("hard", LABELS_HELP, type=("Choice", ["hard", "soft"]))
 
 
 # --- the model --------------------------------------------------------------------------------
@@ -293,7 +306,10 @@ def save_eagle3(model: Model, path, dtype: str = "float32") -> Path:
 
 
 class EagleTrainer(Trainer):
+    """Train an EAGLE-3 draft layer (SafeAILab layout) against a frozen target."""
+
     kind = "eagle"
+    options_class = EagleOptions
 
     def check(self):
         o = self.options
@@ -351,3 +367,6 @@ class EagleTrainer(Trainer):
 def train_eagle(target, data_dir, out_dir, options: Optional[EagleOptions] = None, **run) -> TrainResult:
     """Train an EAGLE-3 layer for `target` (SafeAILab layout in out_dir); run: as loop.train's."""
     return train(EagleTrainer(target, options or EagleOptions()), data_dir, out_dir, **run)
+
+
+TRAINER = EagleTrainer  # what `mlx-spec train eagle` runs (cli/train.py)

@@ -23,6 +23,7 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
+from ..config import setting
 from ..engine import Engine
 from ..errors import MlxSpecError
 from ..events import Collector
@@ -328,24 +329,49 @@ def write_checkpoint(path: Path, config: dict, weights: Dict[str, mx.array]) -> 
 
 @dataclass
 class LoopOptions:
-    """What every trainer shares; EagleOptions, DFlashOptions, MTPOptions and MedusaOptions add
-    their own fields. The defaults here and there are the only ones: the CLI reads them."""
+    """What every trainer shares; each trainer's options class adds its own fields and may give
+    these other defaults (without help: the help is read here). The defaults are the only
+    ones: `mlx-spec train KIND` shows and uses them (cli/train.py builds its options from these
+    fields)."""
 
-    steps: int = 2000
-    batch_size: int = 4
-    lr: float = 3e-4
-    warmup: int = 50
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
-    max_length: int = 1024  # tokens per sequence (prompt + response)
-    save_every: int = 200
-    seed: int = 0
-    save_dtype: str = "float32"
-    max_minutes: float = 0.0  # stop (and checkpoint) after this much training; 0: no limit
-    init: Optional[str] = None  # start from this published drafter's weights (not a resume)
-    eval_every: int = 0  # steps between dev evaluations (tau at 4 drafts); 0: none
-    eval_prompts: int = 8  # dev prompts (the data's held-out split) per evaluation
-    eval_data: Optional[str] = None  # take the dev prompts from this data directory instead
+    steps: int = setting(
+        2000, "Optimizer steps in all (a resumed run continues up to it).", type=("IntRange", 1)
+    )
+    batch_size: int = setting(4, "Sequences per step.", type=("IntRange", 1))
+    lr: float = setting(3e-4, "Peak AdamW learning rate.", type=("FloatRange", 0, None, True))
+    warmup: int = setting(50, "Linear warmup steps, then cosine decay to lr/10.", type=("IntRange", 0))
+    weight_decay: float = setting(0.0, "AdamW weight decay.", type=("FloatRange", 0))
+    grad_clip: float = setting(
+        1.0, "Clip the gradients' global norm to this (0: no clipping).", type=("FloatRange", 0)
+    )
+    max_length: int = setting(1024, "Longest sequence (prompt + response) in tokens.", type=("IntRange", 4))
+    save_every: int = setting(200, "Checkpoint every N steps (0: only at the end).", type=("IntRange", 0))
+    seed: int = setting(0, "Initial weights, batch order and random choices (anchors, rows).", type=("INT",))
+    save_dtype: str = setting(
+        "float32", "dtype of the published weights.", type=("Choice", list(FLOAT_DTYPES))
+    )
+    max_minutes: float = setting(
+        0.0,
+        "Stop after this many minutes of training, checkpointed (0: no limit); --resume continues.",
+        type=("FloatRange", 0),
+    )
+    init: Optional[str] = setting(
+        None,
+        "Start from this published drafter's weights (a directory or a repo id, e.g. a shipped one); "
+        "its shape and taps win over the shape options.",
+    )
+    eval_every: int = setting(
+        0,
+        "Every N steps (and before the first, and at the end) log the drafter's tau at 4 drafts on the "
+        "data's held-out prompts to OUT/train_log.jsonl (0: never).",
+        type=("IntRange", 0),
+    )
+    eval_prompts: int = setting(8, "Held-out prompts per evaluation, 32 tokens each.", type=("IntRange", 1))
+    eval_data: Optional[str] = setting(
+        None,
+        "Take the held-out prompts from this `train data` directory instead of --data (runs on "
+        "different data, evaluated on the same prompts).",
+    )
 
     @classmethod
     def given(cls, **options):
@@ -407,6 +433,7 @@ class Trainer:
     medusa.py); `train` does the rest. Hooks not overridden do nothing."""
 
     kind: str = ""  # the name in checkpoints (a resume checks it) and in `mlx-spec train KIND`
+    options_class = LoopOptions  # its options: `mlx-spec train KIND`'s are made from its fields
 
     def __init__(self, target, options: LoopOptions):
         self.target, self.options = target, options

@@ -15,6 +15,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from ..config import setting
 from ..drafters.medusa import MedusaDrafter
 from ..errors import MlxSpecError
 from ..models.medusa import Model, ModelArgs, load_medusa, save_medusa
@@ -24,13 +25,18 @@ from .loop import FeatureStore, LoopOptions, Trainer, TrainResult, step_rng, tra
 @dataclass
 class MedusaOptions(LoopOptions):
     lr: float = 1e-3
-    heads: int = 4
-    layers: int = 1  # residual blocks per head
-    rows_per_head: int = 256  # labelled rows per head and step
-    head_decay: float = 0.8  # weight of head i's loss: head_decay ** i
-
-
-OPTIONS = MedusaOptions  # what `mlx-spec train medusa` reads (cli/train.py)
+    heads: int = setting(
+        4, "Heads: head i drafts the token i + 2 positions after the last verified one.", type=("IntRange", 1)
+    )
+    layers: int = setting(1, "Residual blocks per head.", type=("IntRange", 0))
+    rows_per_head: int = setting(
+        256,
+        "Labelled positions per head and step (the target's output layer is the cost).",
+        type=("IntRange", 1),
+    )
+    head_decay: float = setting(
+        0.8, "Weight of head i's loss: head_decay ** i.", type=("FloatRange", 0, None, True)
+    )
 
 
 def new_medusa_model(target, heads: int, layers: int) -> Model:
@@ -79,7 +85,11 @@ def make_medusa_batch(model: Model, store: FeatureStore, sequences, heads: int, 
 
 
 class MedusaTrainer(Trainer):
+    """Train compact Medusa heads (FasterDecoding's layout, sharing the target's output layer)
+    against a frozen target."""
+
     kind = "medusa"
+    options_class = MedusaOptions
 
     def check(self):
         o = self.options
@@ -127,3 +137,6 @@ def train_medusa(target, data_dir, out_dir, options: Optional[MedusaOptions] = N
     """Train compact Medusa heads for `target` (FasterDecoding's layout in out_dir, without
     output layers; loadable with --draft medusa --draft-model out_dir); run: as loop.train's."""
     return train(MedusaTrainer(target, options or MedusaOptions()), data_dir, out_dir, **run)
+
+
+TRAINER = MedusaTrainer  # what `mlx-spec train medusa` runs (cli/train.py)

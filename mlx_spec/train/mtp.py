@@ -27,11 +27,13 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
+from ..config import setting
 from ..drafters.eagle import EagleDrafter
 from ..errors import MlxSpecError
 from ..models import vocabulary
 from ..models.mtp import LAYOUTS, Model, load_mtp
 from .eagle import (
+    LABELS_HELP,
     check_labels,
     cross_entropy,
     make_eagle_batch,
@@ -45,12 +47,13 @@ from .loop import FeatureStore, LoopOptions, Trainer, TrainResult, cast_for_savi
 
 @dataclass
 class MTPOptions(LoopOptions):
-    ttt_steps: int = 3  # depths trained: the module fed its own output
-    ttt_decay: float = 0.8  # weight of step j's loss: ttt_decay ** j
-    labels: str = "hard"  # hard: the data's next tokens; soft: the target's distribution there
-
-
-OPTIONS = MTPOptions  # what `mlx-spec train mtp` reads (cli/train.py)
+    ttt_steps: int = setting(
+        3, "Training-time test: depths the module runs on its own outputs.", type=("IntRange", 1)
+    )
+    ttt_decay: float = setting(
+        0.8, "Weight of step j's loss: ttt_decay ** j.", type=("FloatRange", 0, None, True)
+    )
+    labels: str = setting("hard", LABELS_HELP, type=("Choice", ["hard", "soft"]))
 
 
 def new_mtp_model(target, seed: int = 0) -> Model:
@@ -170,7 +173,11 @@ def save_mtp(model: Model, target, path, dtype: str = "float32") -> Path:
 
 
 class MTPTrainer(Trainer):
+    """Train an MTP module (DeepSeek-V3 layout: one decoder layer of the target's class, sharing
+    its embedding and output layer) against a frozen Llama-family target."""
+
     kind = "mtp"
+    options_class = MTPOptions
 
     def check(self):
         if self.options.ttt_steps < 1:
@@ -222,3 +229,6 @@ def train_mtp(target, data_dir, out_dir, options: Optional[MTPOptions] = None, *
     """Train an MTP module for `target` (DeepSeek layout in out_dir, loadable with --draft mtp
     --draft-model out_dir); run: as loop.train's."""
     return train(MTPTrainer(target, options or MTPOptions()), data_dir, out_dir, **run)
+
+
+TRAINER = MTPTrainer  # what `mlx-spec train mtp` runs (cli/train.py)
