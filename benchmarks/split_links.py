@@ -55,8 +55,9 @@ METHODS = ("none", "lookup", "suffix", "eagle", "mtp")
 
 
 def qwen2_form(source: Path, out: Path) -> Path:
-    """The llama model at `source` as mlx-lm's qwen2 (pipeline stages) in `out`: its weights,
-    q/k/v biases of zero in the dtype of its quantization scales (adding them changes no bit)."""
+    """The llama checkpoint at `source` (a model, or the shipped MTP module, whose decoder layer
+    is of the target's class) as mlx-lm's qwen2 in `out`: its weights and q/k/v biases of zero,
+    in the dtype of the layer's quantization scales or weight (adding them changes no bit)."""
     if (out / "config.json").exists():
         return out
     out.mkdir(parents=True, exist_ok=True)
@@ -66,32 +67,10 @@ def qwen2_form(source: Path, out: Path) -> Path:
     config = json.loads((source / "config.json").read_text())
     config.update(model_type="qwen2", architectures=["Qwen2ForCausalLM"])
     weights = mx.load(str(source / "model.safetensors"))
-    dtype = weights["model.layers.0.self_attn.q_proj.scales"].dtype
-    for i in range(config["num_hidden_layers"]):
-        for name in ("q_proj", "k_proj", "v_proj"):
-            rows = weights[f"model.layers.{i}.self_attn.{name}.scales"].shape[0]
-            weights[f"model.layers.{i}.self_attn.{name}.bias"] = mx.zeros((rows,), dtype)
-    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
-    (out / "config.json").write_text(json.dumps(config, indent=2))
-    return out
-
-
-def mtp_qwen2_form(source: Path, out: Path) -> Path:
-    """The shipped MTP module (DeepSeek layout: a decoder layer of the target's class) for the
-    qwen2 form: zero q/k/v biases, as the target's."""
-    if (out / "config.json").exists():
-        return out
-    out.mkdir(parents=True, exist_ok=True)
-    for path in source.iterdir():
-        if path.name not in ("config.json", "model.safetensors"):
-            shutil.copy(path, out / path.name)
-    config = json.loads((source / "config.json").read_text())
-    config.update(model_type="qwen2", architectures=["Qwen2ForCausalLM"])
-    weights = mx.load(str(source / "model.safetensors"))
-    layer = f"model.layers.{config['num_hidden_layers']}.self_attn"
-    for name in ("q_proj", "k_proj", "v_proj"):
-        w = weights[f"{layer}.{name}.weight"]
-        weights[f"{layer}.{name}.bias"] = mx.zeros((w.shape[0],), w.dtype)
+    for name in [n for n in weights if n.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight"))]:
+        stem = name.removesuffix(".weight")
+        like = weights.get(f"{stem}.scales", weights[name])
+        weights[f"{stem}.bias"] = mx.zeros((weights[name].shape[0],), like.dtype)
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
     (out / "config.json").write_text(json.dumps(config, indent=2))
     return out
@@ -389,7 +368,7 @@ def main():
     work.mkdir(parents=True, exist_ok=True)
     llama = Path(model_path(None))
     args.model = str(qwen2_form(llama, work / "model-qwen2"))
-    mtp_qwen2_form(SHIPPED_DRAFTERS / "mtp", work / "mtp-qwen2")
+    qwen2_form(SHIPPED_DRAFTERS / "mtp", work / "mtp-qwen2")
     methods = args.methods.split(",")
     latencies = [float(x) for x in args.latencies.split(",")]
     print("one process (core 0) ...", file=sys.stderr, flush=True)

@@ -463,8 +463,13 @@ class Follower:
                 logits, taps = self.session.chain_pass(
                     self.target.forward, mx.array(ints, mx.int32), self.sends
                 )
-                mx.eval(logits, [c.state for c in self.session.cache], taps)
+                # Its layers first (a pipeline stage's output goes to the next stage), and the
+                # outputs rank 0's drafter reads sent at once: rank 0 receives them after its
+                # verdict, and they must not wait for this rank's output layer. Then the rest of
+                # the pass (a pipeline's all_gather; the logits, as rank 0 evaluates them).
+                mx.eval([c.state for c in self.session.cache], taps)
                 self._sent(ints, taps)
+                mx.eval(logits)
             elif op == ROLLBACK:
                 if not self.session.roll_back(ints[0]):
                     self.session = self._new_session()
