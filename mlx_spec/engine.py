@@ -338,8 +338,9 @@ class Engine:
 
     def unbatchable(self) -> Optional[str]:
         """Why this engine's generations cannot share a target pass with others (None: they can)."""
-        if self.passes.refusal("spawn"):
-            return self.passes.refusal("spawn")
+        refused = self.passes.refusal("spawn")
+        if refused:
+            return refused
         if self.drafter.tree:
             return "tree drafts are verified one sequence at a time"
         if self.drafter.verify_forward is not None:

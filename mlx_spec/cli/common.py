@@ -45,34 +45,58 @@ def apply(f, options):
     return f
 
 
+class IntList(click.ParamType):
+    """Comma-separated integers: "2,15,27"."""
+
+    name = "INTS"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, list):
+            return value
+        try:
+            return [int(v) for v in value.replace(",", " ").split()]
+        except ValueError:
+            self.fail(f"expected comma-separated integers, got {value!r}", param, ctx)
+
+
+PARAM_TYPES = {"IntList": IntList}  # the types a setting may name besides click's own
+
+
+def setting_option(f, meta=None, group=None):
+    """The click option of a dataclass field declared with config.setting (meta: the metadata to
+    read where the field's own has none): its flag, help, type and default; its destination
+    is the field's name."""
+    from dataclasses import MISSING
+
+    meta = meta or f.metadata
+    default = f.default if f.default is not MISSING else None
+    settings = dict(default=default, help=meta["help"], group=group)
+    flag = meta["flag"] or "--" + f.name.replace("_", "-")
+    if meta["type"]:
+        name, *arguments = meta["type"]
+        kind = PARAM_TYPES.get(name) or getattr(click, name)
+        settings["type"] = kind(*arguments) if arguments or name in PARAM_TYPES else kind
+    elif isinstance(default, bool) and "/" not in flag:
+        settings["is_flag"] = True
+    settings["show_default"] = meta["show_default"] and default is not None
+    return option(flag, f.name, **settings)
+
+
 def config_options(exclude=()):
     """The options of every EngineConfig field but `exclude`, in the order the fields are
     declared (config.py: flags, help, types and defaults are read there); their destinations
     are the fields' names (api.load's keywords). The model and draft source's own options are
     listed first, the others under their section's heading."""
-    from dataclasses import MISSING, fields
+    from dataclasses import fields
 
     from ..config import EVERYDAY, SECTIONS
 
-    decorators = []
-    for kind, heading in SECTIONS.values():
-        for f in fields(kind):
-            if f.name in exclude:
-                continue
-            meta = f.metadata
-            settings = dict(
-                default=f.default if f.default is not MISSING else None,
-                help=meta["help"],
-                group=None if f.name in EVERYDAY else heading,
-            )
-            flag = meta["flag"] or "--" + f.name.replace("_", "-")
-            if meta["type"]:
-                name, *arguments = meta["type"]
-                settings["type"] = getattr(click, name)(*arguments) if arguments else getattr(click, name)
-            elif isinstance(f.default, bool) and "/" not in flag:
-                settings["is_flag"] = True
-            settings["show_default"] = meta["show_default"] and f.default is not None
-            decorators.append(option(flag, f.name, **settings))
+    decorators = [
+        setting_option(f, group=None if f.name in EVERYDAY else heading)
+        for kind, heading in SECTIONS.values()
+        for f in fields(kind)
+        if f.name not in exclude
+    ]
 
     def decorate(f):
         return apply(f, decorators)

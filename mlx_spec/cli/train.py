@@ -8,7 +8,7 @@ import click
 
 from ..drafters import trainers
 from ..train.loop import LoopOptions
-from .common import apply, echo_err, reports_errors
+from .common import apply, echo_err, reports_errors, setting_option
 
 
 @click.group(
@@ -189,20 +189,6 @@ def vocab(data_dir, drafter_dir, size, vocab_size):
     )
 
 
-class IntList(click.ParamType):
-    """Comma-separated integers: "2,15,27"."""
-
-    name = "INTS"
-
-    def convert(self, value, param, ctx):
-        if isinstance(value, list):
-            return value
-        try:
-            return [int(v) for v in value.replace(",", " ").split()]
-        except ValueError:
-            self.fail(f"expected comma-separated integers, got {value!r}", param, ctx)
-
-
 KINDS = tuple(trainers())  # the sources with a trainer (drafters.DRAFTERS)
 
 
@@ -216,16 +202,7 @@ def options_of(options_class):
     defaults are read there; a field a trainer redefines for another default keeps the help of
     LoopOptions')."""
     shared = {f.name: f.metadata for f in fields(LoopOptions)}
-    decorators = []
-    for f in fields(options_class):
-        meta = f.metadata or shared[f.name]
-        settings = dict(default=f.default, help=meta["help"], show_default=f.default is not None)
-        if meta["type"]:
-            name, *arguments = meta["type"]
-            kind = IntList if name == "IntList" else getattr(click, name)
-            settings["type"] = kind(*arguments) if arguments or name == "IntList" else kind
-        decorators.append(click.option(meta["flag"] or "--" + f.name.replace("_", "-"), f.name, **settings))
-    return decorators
+    return [setting_option(f, f.metadata or shared[f.name]) for f in fields(options_class)]
 
 
 # What every `train KIND` command takes besides its options class's fields.
